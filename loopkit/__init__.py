@@ -1,0 +1,25 @@
+"""loopkit: composable training-loop middleware for PyTorch.
+
+Keep your ``for batch in loader:`` loop; add mixed precision, gradient accumulation,
+activation checkpointing, DDP and sync-free logging one line at a time.
+"""
+
+from ._device import to_device
+from ._metrics import LoggingSink, Sink, TensorBoardSink, detach_logging, print_sink
+from ._precision import Precision, autocast_step
+from ._syncs import count_host_syncs
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "LoggingSink",
+    "Precision",
+    "Sink",
+    "TensorBoardSink",
+    "__version__",
+    "autocast_step",
+    "count_host_syncs",
+    "detach_logging",
+    "print_sink",
+    "to_device",
+]

@@ -1,0 +1,27 @@
+"""The code base is ruff clean and mypy --strict clean, checked with the tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_ruff_clean() -> None:
+    """ruff finds nothing in the package, the tests or the examples."""
+    proc = _run("ruff", "check", "loopkit", "tests", "examples", "benchmarks")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_strict_clean() -> None:
+    """The package type-checks under mypy --strict."""
+    proc = _run("mypy", "--strict", "loopkit")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

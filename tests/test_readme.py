@@ -1,0 +1,59 @@
+"""Every code block in the README runs, and its commands are the ones CI runs."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+CI = (ROOT / ".ci" / "run").read_text()
+BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, flags=re.M | re.S)
+SETUP = "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e "
+
+
+def _commands() -> list[str]:
+    return [line for lang, body in BLOCKS if lang == "bash" for line in body.splitlines()]
+
+
+def test_only_known_block_languages() -> None:
+    """Blocks are python or bash, so none escapes the checks below."""
+    assert BLOCKS, "no code blocks found"
+    assert {lang for lang, _ in BLOCKS} <= {"python", "bash"}
+
+
+def test_python_blocks_run_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All python blocks, executed top to bottom in one namespace, run without error."""
+    monkeypatch.chdir(ROOT)
+    namespace: dict[str, object] = {"__name__": "__readme__"}
+    for i, (lang, body) in enumerate(BLOCKS):
+        if lang == "python":
+            exec(compile(body, f"README.md block {i}", "exec"), namespace)
+
+
+def test_test_command_is_what_ci_runs() -> None:
+    """The README's test command appears verbatim in .ci/run."""
+    tests = [c for c in _commands() if c.endswith("python -m pytest -q")]
+    assert len(tests) == 1
+    assert tests[0] in CI.splitlines()
+
+
+def test_example_command_runs() -> None:
+    """The example command: CI proves its set-up (a superset install); its run is done here."""
+    runs = [c for c in _commands() if not c.endswith("python -m pytest -q")]
+    assert runs, "no example command in the README"
+    for cmd in runs:
+        assert cmd.startswith(SETUP + ". && "), cmd
+        assert SETUP + '".[dev]"' in CI  # the same set-up, with the dev extra on top
+        run = shlex.split(cmd[len(SETUP + ". && ") :])
+        assert run[0] == "python"
+        proc = subprocess.run(
+            [sys.executable, *run[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "loss went from" in proc.stdout
