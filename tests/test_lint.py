@@ -17,7 +17,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff_clean() -> None:
     """ruff finds nothing in the package, the tests or the examples."""
-    proc = _run("ruff", "check", "loopkit", "tests", "examples", "benchmarks")
+    dirs = [d for d in ("loopkit", "tests", "examples", "benchmarks") if (ROOT / d).is_dir()]
+    proc = _run("ruff", "check", *dirs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
