@@ -4,9 +4,12 @@ Keep your ``for batch in loader:`` loop; add mixed precision, gradient accumulat
 activation checkpointing, DDP and sync-free logging one line at a time.
 """
 
+from ._accumulate import accumulate
 from ._device import to_device
 from ._metrics import LoggingSink, Sink, TensorBoardSink, detach_logging, print_sink
 from ._precision import Precision, autocast_step
+from ._step import step
+from ._sync import no_sync
 from ._syncs import count_host_syncs
 
 __version__ = "0.1.0.dev0"
@@ -17,9 +20,12 @@ __all__ = [
     "Sink",
     "TensorBoardSink",
     "__version__",
+    "accumulate",
     "autocast_step",
     "count_host_syncs",
     "detach_logging",
+    "no_sync",
     "print_sink",
+    "step",
     "to_device",
 ]

@@ -1,0 +1,164 @@
+"""no_sync: skip gradient synchronization for the micro-steps inside it.
+
+DDP decides at the *forward* whether the following backward all-reduces, so the forward
+must run inside ``no_sync`` too (DDP's own docstring says so; a forward outside it still
+synchronizes). FSDP2 has no ``no_sync``: it is ``set_requires_gradient_sync(False)``, and
+the previous setting is restored on exit rather than forced back to True.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ._core import ContextDecorator
+
+try:  # FSDP2, public since torch 2.6
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - builds without distributed support
+    FSDPModule = None  # type: ignore[assignment,misc]
+try:  # FSDP1
+    from torch.distributed.fsdp import FullyShardedDataParallel
+except ImportError:  # pragma: no cover
+    FullyShardedDataParallel = None  # type: ignore[assignment,misc]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Peel ``torch.compile`` wrappers; stop at the first DDP/FSDP wrapper or plain module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    seen = 0
+    while seen < 16:
+        if _is_sync_wrapper(model):
+            return model
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, nn.Module):
+            model = inner
+            seen += 1
+            continue
+        return model
+    return model
+
+
+def _is_sync_wrapper(m: nn.Module) -> bool:
+    return (
+        isinstance(m, DistributedDataParallel)
+        or (FullyShardedDataParallel is not None and isinstance(m, FullyShardedDataParallel))
+        or (FSDPModule is not None and isinstance(m, FSDPModule))
+    )
+
+
+def sync_kind(model: nn.Module) -> str:
+    """``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or ``"none"`` for what synchronizes ``model``."""
+    m = unwrap(model)
+    if isinstance(m, DistributedDataParallel):
+        return "ddp"
+    if FullyShardedDataParallel is not None and isinstance(m, FullyShardedDataParallel):
+        return "fsdp1"
+    if FSDPModule is not None and isinstance(m, FSDPModule):
+        return "fsdp2"
+    if FSDPModule is not None and any(isinstance(c, FSDPModule) for c in m.modules()):
+        return "fsdp2"
+    return "none"
+
+
+class no_sync(ContextDecorator):
+    """Suppress gradient synchronization for the forward *and* backward inside it.
+
+    Works on DDP, FSDP1 and FSDP2 models (also under ``torch.compile``); a plain module
+    needs no synchronization, so there it does nothing and costs nothing. With
+    ``enabled=False`` it is a no-op, so ``no_sync(model, enabled=not last)`` reads like
+    nanoGPT's toggle.
+    """
+
+    __slots__ = ("_fsdp2", "_kind", "_saved", "enabled", "model")
+
+    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        self.model = unwrap(model)
+        self._kind = sync_kind(model)
+        self.enabled = enabled
+        self._fsdp2: list[Any] = []
+        if self._kind == "fsdp2":
+            root = self.model
+            self._fsdp2 = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> no_sync:
+        kind = self._kind
+        if not self.enabled or kind == "none":
+            self._saved.append(None)
+        elif kind == "ddp":
+            ddp: Any = self.model
+            self._saved.append(ddp.require_backward_grad_sync)
+            ddp.require_backward_grad_sync = False
+        elif kind == "fsdp1":
+            cm = self.model.no_sync()  # type: ignore[operator]
+            cm.__enter__()
+            self._saved.append(cm)
+        else:
+            previous = [_fsdp2_requires_sync(m) for m in self._fsdp2]
+            for m in self._fsdp2:
+                m.set_requires_gradient_sync(False, recurse=False)
+            self._saved.append(previous)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        saved = self._saved.pop()
+        if saved is None:
+            return
+        kind = self._kind
+        if kind == "ddp":
+            self.model.require_backward_grad_sync = saved
+        elif kind == "fsdp1":
+            saved.__exit__(exc_type, exc, tb)
+        else:
+            for m, prev in zip(self._fsdp2, saved, strict=True):
+                m.set_requires_gradient_sync(prev, recurse=False)
+
+
+def _fsdp2_requires_sync(module: Any) -> bool:
+    # FSDP2 has a setter but no getter; its param groups hold the flag.
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+    return all(g.reduce_grads for g in groups) if groups else True
+
+
+def sync_grads_now(model: nn.Module) -> None:
+    """All-reduce (average) the gradients of a DDP model by hand, as DDP's backward would.
+
+    Used when a window ends on a micro-step that ran under no_sync (a ragged window closed
+    by ``flush()``, or a final micro-step without backward): its gradients are still local.
+    """
+    import torch.distributed as dist
+
+    m: Any = unwrap(model)
+    grads = [p.grad for p in m.parameters() if p.requires_grad and p.grad is not None]
+    if not grads:
+        return
+    group = getattr(m, "process_group", None)
+    world = dist.get_world_size(group)
+    with torch.no_grad():
+        for dtype_grads in _by_dtype_and_device(grads):
+            flat = torch._utils._flatten_dense_tensors(dtype_grads)  # type: ignore[no-untyped-call]
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            unflat = torch._utils._unflatten_dense_tensors(flat, dtype_grads)  # type: ignore[no-untyped-call]
+            for g, synced in zip(dtype_grads, unflat, strict=True):
+                g.copy_(synced)
+
+
+def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    return list(buckets.values())

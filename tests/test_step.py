@@ -1,0 +1,206 @@
+"""loopkit.step: the composed loop is bit-identical to the same loop written by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_bit_equal, batches, loss_fn, mlp, params, twin
+from torch import nn
+
+import loopkit
+
+N = 4  # a power of two: loss / N is exact, so the comparison can be bit for bit
+
+
+def _hand_written(model: nn.Module, data: list[Any], precision: str, clip: float | None,
+                  ) -> tuple[list[torch.Tensor], float]:
+    """The nanoGPT-style loop: autocast forward, loss / N, clip, step, scheduler, zero_grad."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    for i, batch in enumerate(data):
+        with torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32"):
+            loss = loss_fn(model, batch)
+        (loss / N).backward()
+        if (i + 1) % N == 0:
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    return params(model), sched.get_last_lr()[0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("clip", [None, 0.1])
+def test_bit_identical_to_the_hand_written_loop(precision: str, clip: float | None) -> None:
+    """Three windows of four micro-batches: the same bits as the hand-written loop."""
+    model = mlp()
+    ref_model = twin(model)
+    data = batches([8] * (3 * N))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    step = loopkit.step(model, opt, precision=precision, accumulate=N, clip_grad_norm=clip,
+                        scheduler=sched)
+    for batch in data:
+        with step as s:
+            if precision == "bf16":
+                assert torch.is_autocast_enabled("cpu")
+            loss = loss_fn(model, batch)
+            s.backward(loss)
+            assert not torch.is_autocast_enabled("cpu")  # backward ran outside autocast
+    ref, ref_lr = _hand_written(ref_model, data, precision, clip)
+    assert step.updates == 3
+    assert_bit_equal(params(model), ref)
+    assert sched.get_last_lr()[0] == ref_lr
+
+
+def test_fp16_bit_identical_to_the_grad_scaler_recipe() -> None:
+    """fp16 with accumulation and clipping equals the PyTorch AMP recipe, bit for bit."""
+    model = mlp()
+    ref_model = twin(model)
+    data = batches([8] * (2 * N))
+    opt_ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for i, batch in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ref_model, batch)
+        scaler.scale(loss / N).backward()
+        if (i + 1) % N == 0:
+            scaler.unscale_(opt_ref)
+            nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1)
+            scaler.step(opt_ref)
+            scaler.update()
+            opt_ref.zero_grad(set_to_none=True)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                        accumulate=N, clip_grad_norm=0.1)
+    for batch in data:
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    assert_bit_equal(params(model), params(ref_model))
+    assert step.amp.scaler is not None
+    assert step.amp.scaler.get_scale() == scaler.get_scale()
+
+
+def test_composed_step_makes_no_host_sync_between_log_flushes() -> None:
+    """40 fp32 micro-steps, accumulate=4, clipping, log every 10: exactly 4 host reads."""
+    model = mlp()
+    got: list[dict[str, float]] = []
+    # SGD: AdamW's own per-step counter is a host tensor it reads with .item() (no device
+    # sync on a GPU, where that counter stays on the host), which a CPU run cannot tell apart.
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                        accumulate=4, clip_grad_norm=1.0,
+                        log=loopkit.detach_logging(every=10, sink=got.append))
+    data = batches([8] * 40)
+    with loopkit.count_host_syncs() as syncs:
+        for batch in data:
+            with step as s:
+                loss = loss_fn(model, batch)
+                s.backward(loss)
+                s.log_metrics(out=loss * 2)
+    assert syncs.count == 4, syncs.events
+    assert len(got) == 4 and set(got[0]) == {"out", "loss"}
+    assert got[0]["out"] == pytest.approx(2 * got[0]["loss"])
+
+
+def test_iterate_moves_batches_and_closes_the_ragged_window() -> None:
+    """step.iterate yields moved batches and makes the last (ragged) window update."""
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4,
+                        device="cpu", channels_last=False)
+    data = [{"x": x, "y": y} for x, y in batches([4] * 6)]
+    seen = 0
+    for batch in step.iterate(data):
+        with step as s:
+            s.backward(loss_fn(model, (batch["x"], batch["y"])))
+        seen += 1
+    assert seen == 6 and step.updates == 2 and step.accumulate.micro_step == 0
+
+
+def test_building_the_step_inside_the_loop_is_refused() -> None:
+    """`with loopkit.step(...)` rebuilt per iteration would drop accumulation: it raises."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches([4] * 3)
+    with pytest.raises(RuntimeError, match="once, before the loop"):
+        for batch in data:
+            with loopkit.step(model, opt, accumulate=2) as s:
+                s.backward(loss_fn(model, batch))
+
+
+def test_building_inside_the_loop_without_accumulation_is_the_same_loop() -> None:
+    """With accumulate=1 nothing spans iterations, so a step built per iteration is exact."""
+    model = mlp()
+    ref_model = twin(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for batch in batches([4] * 3):
+        with loopkit.step(model, opt) as s:
+            s.backward(loss_fn(model, batch))
+        loss_fn(ref_model, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_bit_equal(params(model), params(ref_model))
+
+
+def test_middlewares_keep_their_semantics_inside_step() -> None:
+    """Autocast covers the forward only; no_sync, weights and flush behave as alone."""
+    model = mlp()
+    ref_model = twin(model)
+    data = batches([3, 5, 2])
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+    for batch in data:
+        with step as s:
+            assert s.ends_window is False
+            s.backward(loss_fn(model, batch), weight=len(batch[0]))
+    assert step.flush() is True and step.updates == 1
+    acc = loopkit.accumulate(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), every=4)
+    for batch in data:
+        with acc:
+            acc.backward(loss_fn(ref_model, batch), weight=len(batch[0]))
+    acc.flush()
+    assert_bit_equal(params(model), params(ref_model))
+
+
+def test_state_dict_round_trip() -> None:
+    """Counters and the fp16 scaler state travel together."""
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                        accumulate=2)
+    for batch in batches([4] * 4):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    state = step.state_dict()
+    other = mlp()
+    fresh = loopkit.step(other, torch.optim.SGD(other.parameters(), lr=0.1), precision="fp16",
+                         accumulate=2)
+    fresh.load_state_dict(state)
+    assert fresh.updates == 2 and fresh.state_dict() == state
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "hint"),
+    [
+        ({"device": "meta"}, ValueError, "move the model first"),
+        ({"log": 0}, ValueError, "int >= 1"),
+        ({"precision": "int8"}, ValueError, "'bf16', 'fp16' or 'fp32'"),
+        ({"accumulate": 0}, ValueError, "every must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], exc: type[Exception],
+                                   hint: str) -> None:
+    """Wrong arguments raise at construction, naming the fix."""
+    model = mlp()
+    with pytest.raises(exc) as info:
+        loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert hint in str(info.value)
+
+
+def test_log_metrics_needs_a_log() -> None:
+    """s.log_metrics without log= is an error, not a silent drop."""
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="log="), step as s:
+        s.log_metrics(acc=1.0)
