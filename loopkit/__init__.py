@@ -5,7 +5,9 @@ activation checkpointing, DDP and sync-free logging one line at a time.
 """
 
 from ._accumulate import accumulate
+from ._checkpoint import checkpointed, is_checkpointed
 from ._device import to_device
+from ._memory import track_memory
 from ._metrics import LoggingSink, Sink, TensorBoardSink, detach_logging, print_sink
 from ._precision import Precision, autocast_step
 from ._step import step
@@ -22,10 +24,13 @@ __all__ = [
     "__version__",
     "accumulate",
     "autocast_step",
+    "checkpointed",
     "count_host_syncs",
     "detach_logging",
+    "is_checkpointed",
     "no_sync",
     "print_sink",
     "step",
     "to_device",
+    "track_memory",
 ]

@@ -197,8 +197,7 @@ def test_fp16_clipping_sees_unscaled_gradients() -> None:
     ref_model = twin(model)
     data = batches([4] * 4)
     amp = loopkit.autocast_step("fp16", device_type="cpu")
-    acc = loopkit.accumulate(model, OPTIMIZERS["sgd"](model), every=4, clip_grad_norm=0.05,
-                             amp=amp)
+    acc = loopkit.accumulate(model, OPTIMIZERS["sgd"](model), every=4, clip_grad_norm=0.05, amp=amp)
     for batch in data:
         with acc, amp:
             acc.backward(loss_fn(model, batch))
@@ -274,9 +273,13 @@ def test_misuse_inside_a_window_is_refused_before_any_change(
     with acc:
         acc.backward(loss_fn(model, data[0]), weight=4 if misuse.startswith("weight") else None)
     weights: dict[str, Any] = {
-        "weight_zero": 0, "weight_negative": -1.0, "weight_nan": float("nan"),
-        "weight_inf_tensor": torch.tensor(float("inf")), "weight_vector": torch.ones(2),
-        "weight_str": "4", "weight_mixed": None,
+        "weight_zero": 0,
+        "weight_negative": -1.0,
+        "weight_nan": float("nan"),
+        "weight_inf_tensor": torch.tensor(float("inf")),
+        "weight_vector": torch.ones(2),
+        "weight_str": "4",
+        "weight_mixed": None,
     }
     with acc:
         if misuse in weights:
@@ -316,8 +319,9 @@ def test_backward_outside_with_is_refused() -> None:
         ({"amp": "fp16"}, TypeError, "loopkit.autocast_step"),
     ],
 )
-def test_bad_construction_is_refused(kwargs: dict[str, Any], exc: type[Exception],
-                                     hint: str) -> None:
+def test_bad_construction_is_refused(
+    kwargs: dict[str, Any], exc: type[Exception], hint: str
+) -> None:
     """Out-of-range settings raise at construction with the fix in the message."""
     model = mlp()
     with pytest.raises(exc) as info:

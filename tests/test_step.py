@@ -14,8 +14,12 @@ import loopkit
 N = 4  # a power of two: loss / N is exact, so the comparison can be bit for bit
 
 
-def _hand_written(model: nn.Module, data: list[Any], precision: str, clip: float | None,
-                  ) -> tuple[list[torch.Tensor], float]:
+def _hand_written(
+    model: nn.Module,
+    data: list[Any],
+    precision: str,
+    clip: float | None,
+) -> tuple[list[torch.Tensor], float]:
     """The nanoGPT-style loop: autocast forward, loss / N, clip, step, scheduler, zero_grad."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
@@ -42,8 +46,9 @@ def test_bit_identical_to_the_hand_written_loop(precision: str, clip: float | No
     data = batches([8] * (3 * N))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    step = loopkit.step(model, opt, precision=precision, accumulate=N, clip_grad_norm=clip,
-                        scheduler=sched)
+    step = loopkit.step(
+        model, opt, precision=precision, accumulate=N, clip_grad_norm=clip, scheduler=sched
+    )
     for batch in data:
         with step as s:
             if precision == "bf16":
@@ -74,8 +79,13 @@ def test_fp16_bit_identical_to_the_grad_scaler_recipe() -> None:
             scaler.step(opt_ref)
             scaler.update()
             opt_ref.zero_grad(set_to_none=True)
-    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                        accumulate=N, clip_grad_norm=0.1)
+    step = loopkit.step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        accumulate=N,
+        clip_grad_norm=0.1,
+    )
     for batch in data:
         with step as s:
             s.backward(loss_fn(model, batch))
@@ -90,9 +100,13 @@ def test_composed_step_makes_no_host_sync_between_log_flushes() -> None:
     got: list[dict[str, float]] = []
     # SGD: AdamW's own per-step counter is a host tensor it reads with .item() (no device
     # sync on a GPU, where that counter stays on the host), which a CPU run cannot tell apart.
-    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                        accumulate=4, clip_grad_norm=1.0,
-                        log=loopkit.detach_logging(every=10, sink=got.append))
+    step = loopkit.step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+        accumulate=4,
+        clip_grad_norm=1.0,
+        log=loopkit.detach_logging(every=10, sink=got.append),
+    )
     data = batches([8] * 40)
     with loopkit.count_host_syncs() as syncs:
         for batch in data:
@@ -108,8 +122,13 @@ def test_composed_step_makes_no_host_sync_between_log_flushes() -> None:
 def test_iterate_moves_batches_and_closes_the_ragged_window() -> None:
     """step.iterate yields moved batches and makes the last (ragged) window update."""
     model = mlp()
-    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4,
-                        device="cpu", channels_last=False)
+    step = loopkit.step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulate=4,
+        device="cpu",
+        channels_last=False,
+    )
     data = [{"x": x, "y": y} for x, y in batches([4] * 6)]
     seen = 0
     for batch in step.iterate(data):
@@ -167,15 +186,17 @@ def test_middlewares_keep_their_semantics_inside_step() -> None:
 def test_state_dict_round_trip() -> None:
     """Counters and the fp16 scaler state travel together."""
     model = mlp()
-    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                        accumulate=2)
+    step = loopkit.step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accumulate=2
+    )
     for batch in batches([4] * 4):
         with step as s:
             s.backward(loss_fn(model, batch))
     state = step.state_dict()
     other = mlp()
-    fresh = loopkit.step(other, torch.optim.SGD(other.parameters(), lr=0.1), precision="fp16",
-                         accumulate=2)
+    fresh = loopkit.step(
+        other, torch.optim.SGD(other.parameters(), lr=0.1), precision="fp16", accumulate=2
+    )
     fresh.load_state_dict(state)
     assert fresh.updates == 2 and fresh.state_dict() == state
 
@@ -189,8 +210,7 @@ def test_state_dict_round_trip() -> None:
         ({"accumulate": 0}, ValueError, "every must be an int >= 1"),
     ],
 )
-def test_bad_arguments_are_refused(kwargs: dict[str, Any], exc: type[Exception],
-                                   hint: str) -> None:
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], exc: type[Exception], hint: str) -> None:
     """Wrong arguments raise at construction, naming the fix."""
     model = mlp()
     with pytest.raises(exc) as info:

@@ -20,8 +20,9 @@ import loopkit
 @pytest.fixture
 def process_group(tmp_path: Path) -> Iterator[None]:
     """A one-process gloo group: DDP still runs its all-reduce machinery, so it can be counted."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         yield
     finally:
