@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import math
+import zlib
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar, overload
@@ -87,6 +88,12 @@ class detach_logging:
     and ``sink`` gets one dict of Python floats, read from the device in a single
     transfer. ``@log`` on a function returning a scalar tensor or a dict of them records
     its result and returns it unchanged.
+
+    Under DDP (``sync_ranks=None`` and a process group of more than one rank, or
+    ``sync_ranks=True``) a flush is one all-gather of every rank's partial statistics:
+    means are over all ranks' values, ``sum``/``max``/``min`` over all ranks, ``last`` the
+    mean of the ranks' last values; only rank zero calls the sink. Every rank must then
+    log the same metrics and flush together.
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class detach_logging:
         sink: Sink | Callable[..., object] | None = print_sink,
         *,
         reduce: Reduction | Mapping[str, Reduction] = "mean",
+        sync_ranks: bool | None = None,
     ) -> None:
         if every is not None and (
             isinstance(every, bool) or not isinstance(every, int) or every < 1
@@ -120,8 +128,11 @@ class detach_logging:
         for name in (self._default, *self._per_metric.values()):
             if name not in _REDUCTIONS:
                 raise ValueError(f"unknown reduction {name!r}: use one of {sorted(_REDUCTIONS)}")
+        if sync_ranks is not None and not isinstance(sync_ranks, bool):
+            raise TypeError(f"sync_ranks must be None, True or False, got {sync_ranks!r}")
         self.every = every
         self.sink = sink
+        self.sync_ranks = sync_ranks
         self._sink_takes_step = sink is not None and _takes_step(sink)
         self._values: dict[str, list[Any]] = {}
         self._calls_since_flush = 0
@@ -189,6 +200,20 @@ class detach_logging:
             return {}
         values, self._values = self._values, {}
         step, self._calls_since_flush = self.step, 0
+        group = _process_group(self.sync_ranks)
+        if group is not None:
+            ordered = self._reduce_across_ranks(values, group)
+        else:
+            ordered = self._reduce_local(values)
+        self.last = ordered
+        if self.sink is not None and (group is None or _rank(group) == 0):
+            if self._sink_takes_step:
+                self.sink(ordered, step=step)  # type: ignore[call-arg]
+            else:
+                self.sink(ordered)
+        return ordered
+
+    def _reduce_local(self, values: dict[str, list[Any]]) -> dict[str, float]:
         out: dict[str, float] = {}
         on_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for name, vals in values.items():
@@ -202,14 +227,64 @@ class detach_logging:
             # Host-device sync: the one read per flush (per device holding metrics).
             floats = torch.stack([t for _, t in pairs]).tolist()
             out.update(zip([n for n, _ in pairs], floats, strict=True))
-        ordered = {name: out[name] for name in values}
-        self.last = ordered
-        if self.sink is not None:
-            if self._sink_takes_step:
-                self.sink(ordered, step=step)  # type: ignore[call-arg]
+        return {name: out[name] for name in values}
+
+    def _reduce_across_ranks(self, values: dict[str, list[Any]], group: Any) -> dict[str, float]:
+        """Every rank's partial statistics in one all-gather, then one read to the host."""
+        import torch.distributed as dist
+
+        device = _comm_device(group)
+        parts: list[torch.Tensor] = []
+        layout: list[tuple[str, str]] = []
+        for name, vals in values.items():
+            how = self._per_metric.get(name, self._default)
+            if isinstance(vals[0], torch.Tensor):
+                t = torch.stack([v.reshape(()) for v in vals]).to(device, torch.float64)
             else:
-                self.sink(ordered)
-        return ordered
+                t = torch.tensor(vals, dtype=torch.float64, device=device)
+            if how == "mean":
+                parts += [
+                    t.sum().reshape(1),
+                    torch.full((1,), len(vals), dtype=torch.float64, device=device),
+                ]
+            else:
+                parts.append(_reduce_tensor(t, how).reshape(1))
+            layout.append((name, how))
+        # A fingerprint of the metric names travels with the values: ranks that logged
+        # different metrics get a clear error instead of silently mixed numbers.
+        fingerprint = float(zlib.crc32("\0".join(values).encode()))
+        parts.append(torch.full((1,), fingerprint, dtype=torch.float64, device=device))
+        local = torch.cat(parts)
+        world = dist.get_world_size(group)
+        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+        # all_gather_single is the newer name of all_gather_into_tensor (deprecated in 2.13).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, local, group=group)
+        # Host-device sync: the one read per flush.
+        rows = gathered.view(world, -1).tolist()
+        if any(row[-1] != fingerprint for row in rows):
+            raise RuntimeError(
+                "ranks flushed different metrics: log the same names on every rank, the same "
+                "number of times (the flush is a collective)"
+            )
+        out: dict[str, float] = {}
+        col = 0
+        for name, how in layout:
+            if how == "mean":
+                out[name] = math.fsum(r[col] for r in rows) / math.fsum(r[col + 1] for r in rows)
+                col += 2
+                continue
+            column = [r[col] for r in rows]
+            col += 1
+            if how == "sum":
+                out[name] = math.fsum(column)
+            elif how == "max":
+                out[name] = max(column)
+            elif how == "min":
+                out[name] = min(column)
+            else:  # last: the mean of each rank's last value
+                out[name] = math.fsum(column) / world
+        return out
 
     def __enter__(self) -> detach_logging:
         return self
@@ -224,6 +299,35 @@ class detach_logging:
 
     def __repr__(self) -> str:
         return f"detach_logging(every={self.every}, sink={self.sink!r})"
+
+
+def _process_group(sync_ranks: bool | None) -> Any:
+    """The default group when metrics are reduced across ranks, else None."""
+    if sync_ranks is False:
+        return None
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if sync_ranks and not on:
+        raise RuntimeError(
+            "sync_ranks=True but no process group with more than one rank is initialized: "
+            "call loopkit.distributed.setup() under torchrun first, or leave sync_ranks=None"
+        )
+    return dist.group.WORLD if on else None
+
+
+def _rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _comm_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _checked(name: str, v: object, previous: list[Any] | None) -> Any:

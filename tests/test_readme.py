@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -17,8 +19,22 @@ BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, flags=re.M | re.S)
 SETUP = "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e "
 
 
-def _commands() -> list[str]:
-    return [line for lang, body in BLOCKS if lang == "bash" for line in body.splitlines()]
+def _setup_commands() -> list[str]:
+    """The one-line set-up commands near the top (they create a venv and install)."""
+    return [
+        line
+        for lang, body in BLOCKS
+        if lang == "bash"
+        for line in body.splitlines()
+        if line.startswith("python -m venv")
+    ]
+
+
+def _scripts() -> list[str]:
+    """Every other bash block: run as it is."""
+    return [
+        body for lang, body in BLOCKS if lang == "bash" if not body.startswith("python -m venv")
+    ]
 
 
 def test_only_known_block_languages() -> None:
@@ -38,14 +54,14 @@ def test_python_blocks_run_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_test_command_is_what_ci_runs() -> None:
     """The README's test command appears verbatim in .ci/run."""
-    tests = [c for c in _commands() if c.endswith("python -m pytest -q")]
+    tests = [c for c in _setup_commands() if c.endswith("python -m pytest -q")]
     assert len(tests) == 1
     assert tests[0] in CI.splitlines()
 
 
 def test_example_command_runs() -> None:
     """The example command: CI proves its set-up (a superset install); its run is done here."""
-    runs = [c for c in _commands() if not c.endswith("python -m pytest -q")]
+    runs = [c for c in _setup_commands() if not c.endswith("python -m pytest -q")]
     assert runs, "no example command in the README"
     for cmd in runs:
         assert cmd.startswith(SETUP + ". && "), cmd
@@ -57,3 +73,31 @@ def test_example_command_runs() -> None:
         )
         assert proc.returncode == 0, proc.stderr
         assert "loss went from" in proc.stdout
+
+
+def test_other_shell_blocks_run(tmp_path: Path) -> None:
+    """The remaining bash blocks (multi-process launches included) run from the repo root."""
+    scripts = _scripts()
+    assert scripts
+    env = dict(
+        os.environ,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        OMP_NUM_THREADS="1",
+    )
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    for script in scripts:
+        proc = subprocess.run(
+            ["bash", "-e", "-c", script],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # The launches in the distributed section all end at the single-process weights.
+    outputs = {p.stem: torch.load(p, weights_only=True) for p in tmp_path.glob("*.pt")}
+    assert set(outputs) == {"single", "ddp", "accelerate", "nodes"}
+    for name, weights in outputs.items():
+        diff = max((weights[k] - outputs["single"][k]).abs().max().item() for k in weights)
+        assert diff < 1e-6, name

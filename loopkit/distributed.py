@@ -1,0 +1,359 @@
+"""Distributed training on torch.distributed, launched by ``torchrun`` or ``accelerate launch``.
+
+loopkit never launches processes or moves bytes itself: the launcher starts one process
+per device and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``; ``setup()`` reads them. Without them everything here is a no-op, so the
+same script runs single-process unchanged.
+
+Why not ``accelerate.PartialState``: under a CPU ``torchrun`` it initializes a process
+group yet reports ``num_processes=1`` and ``process_index=0`` on every rank (it only
+recognizes multi-CPU jobs started by its own launcher), which would make every rank
+believe it is rank zero. The environment contract is small and stable, so it is read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import os
+import random
+from collections.abc import Callable, Iterator, Sized
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ._checkpoint import Blocks
+from ._sync import sync_kind
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T_co = TypeVar("T_co", covariant=True)
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job. Also a context manager that tears down."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.world_size > 1
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """Whether this is the process that prints and saves."""
+        return self.rank == 0
+
+    def __enter__(self) -> DistInfo:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        teardown()
+
+
+def _launch_env() -> dict[str, str] | None:
+    # RANK/WORLD_SIZE/LOCAL_RANK say "launched"; MASTER_ADDR/PORT alone (often exported by
+    # a cluster profile, or by `accelerate launch` for a single process) do not.
+    present = {k: os.environ[k] for k in _LAUNCH_VARS if k in os.environ}
+    if not any(k in present for k in _LAUNCH_VARS[:3]):
+        return None
+    missing = [k for k in _LAUNCH_VARS if k not in present]
+    if missing:
+        raise RuntimeError(
+            f"the launcher environment is half-set: {', '.join(sorted(present))} set but "
+            f"{', '.join(missing)} missing. Start the script with `torchrun` or `accelerate "
+            "launch` (which set all of them), or unset them to run single-process"
+        )
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if not present[k].isdigit():
+            raise RuntimeError(f"{k}={present[k]!r} is not a non-negative integer")
+    rank, world = int(present["RANK"]), int(present["WORLD_SIZE"])
+    if world < 1 or rank >= world:
+        raise RuntimeError(f"RANK={rank} is not below WORLD_SIZE={world}: check the launcher")
+    return present
+
+
+def info() -> DistInfo:
+    """The current process's place in the job (rank 0 of 1 when not distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo(device=_local_device(int(os.environ.get("LOCAL_RANK", "0"))))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=local_world,
+        device=_local_device(local_rank),
+        backend=str(dist.get_backend()),
+    )
+
+
+def _local_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def setup(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> DistInfo:
+    """Join the job the launcher started (idempotent); a no-op when not launched distributed.
+
+    Backend ``nccl`` with CUDA, ``gloo`` otherwise; with CUDA each process uses the GPU
+    of its local rank. ``with setup() as info:`` tears the group down on exit.
+    """
+    env = _launch_env()
+    if env is None or dist.is_initialized():
+        return info()
+    if not dist.is_available():  # pragma: no cover - builds without distributed support
+        raise RuntimeError("this torch build has no torch.distributed")
+    local_rank = int(env["LOCAL_RANK"])
+    cuda = torch.cuda.is_available()
+    chosen = backend or ("nccl" if cuda else "gloo")
+    if chosen not in ("nccl", "gloo", "mpi", "ucc", "xccl") and ":" not in chosen:
+        raise ValueError(f"unknown backend {chosen!r}: use 'nccl' (GPUs) or 'gloo' (CPU)")
+    kwargs: dict[str, Any] = {"backend": chosen, "init_method": "env://"}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
+                "start at most one process per GPU (--nproc-per-node)"
+            )
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(**kwargs)
+    return info()
+
+
+def teardown() -> None:
+    """Leave the process group (after a barrier, so no rank exits while others still talk)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_rank_zero() -> bool:
+    """True on the process that prints and saves (and when not distributed)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def rank_zero_only(fn: Callable[P, R]) -> Callable[P, R | None]:
+    """Run ``fn`` on rank zero only; other ranks get None."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        return fn(*args, **kwargs) if is_rank_zero() else None
+
+    return wrapper
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    fsdp: bool | Blocks = False,
+    **ddp_kwargs: Any,
+) -> nn.Module:
+    """Wrap ``model`` in DDP (or FSDP2 with ``fsdp=True``/``fsdp=BlockClass``) for this job.
+
+    Moves the model to this process's device first. Single-process it returns the model
+    unchanged. ``fsdp=BlockClass`` shards each such block, then the root.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
+    if sync_kind(model) != "none":
+        raise ValueError(
+            f"the model is already wrapped ({sync_kind(model).upper()}): wrap it once; pass "
+            "the unwrapped module to loopkit.distributed.wrap"
+        )
+    here = info()
+    if not here.is_distributed:
+        return model
+    model = model.to(here.device)
+    if fsdp is not False:
+        from torch.distributed.fsdp import fully_shard
+
+        if fsdp is not True:
+            from ._checkpoint import _select
+
+            for block in _select(model, fsdp, 1):
+                fully_shard(block)
+        fully_shard(model)
+        return model
+    if here.device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [here.device.index])
+    return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker; numpy and random would otherwise repeat the parent's stream
+    # in every worker (the classic duplicated-augmentation bug).
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+class _SeededRandomSampler(Sampler[int]):
+    """Single-process shuffling with the order of DistributedSampler(num_replicas=1)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class EpochLoader:
+    """A DataLoader that advances its sampler's epoch on every pass, so no rank forgets."""
+
+    def __init__(self, loader: DataLoader[Any], sampler: Any) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.epoch = 0
+        """The epoch the next pass will run (0 before the first)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass run ``epoch`` (for a resumed run)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per batch on this rank."""
+        return self.loader.batch_size
+
+
+def default_num_workers(local_world_size: int | None = None) -> int:
+    """Loader workers per process: this node's cores shared by its processes, one kept back."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_process = (cores or 1) // max(local_world_size or info().local_world_size, 1)
+    return max(0, min(8, per_process - 1))
+
+
+def loader(
+    dataset: Dataset[Any],
+    batch_size: int | None = None,
+    *,
+    global_batch_size: int | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    **dataloader_kwargs: Any,
+) -> EpochLoader:
+    """A DataLoader set up as the guides advise, sharded across ranks under DDP.
+
+    ``batch_size`` is per process; ``global_batch_size`` is split over the ranks (it must
+    divide). Workers default to this node's cores per process minus one; ``pin_memory``
+    only with CUDA; persistent workers; numpy and ``random`` seeded per worker; under DDP
+    a ``DistributedSampler`` whose ``set_epoch`` is called on every pass.
+    """
+    here = info()
+    if (batch_size is None) == (global_batch_size is None):
+        raise TypeError("pass exactly one of batch_size (per process) or global_batch_size")
+    if global_batch_size is not None:
+        _check_positive("global_batch_size", global_batch_size)
+        if global_batch_size % here.world_size:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} does not divide over "
+                f"{here.world_size} processes: use a multiple of {here.world_size}"
+            )
+        batch_size = global_batch_size // here.world_size
+    assert batch_size is not None
+    _check_positive("batch_size", batch_size)
+    if not isinstance(dataset, Sized):
+        raise TypeError("loader() needs a map-style dataset with __len__ (it shards by index)")
+    if num_workers is None:
+        num_workers = default_num_workers(here.local_world_size)
+    if pin_memory is None:
+        pin_memory = here.device.type == "cuda"
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    sampler: Any
+    if here.is_distributed:
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=here.world_size,
+            rank=here.rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+    elif shuffle:
+        sampler = _SeededRandomSampler(len(dataset), seed)
+    else:
+        sampler = None
+    generator = torch.Generator().manual_seed(seed * 1000 + here.rank)
+    dl = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        shuffle=False,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        worker_init_fn=_seed_worker if num_workers > 0 else None,
+        generator=generator,
+        **dataloader_kwargs,
+    )
+    return EpochLoader(dl, sampler)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+__all__ = [
+    "DistInfo",
+    "EpochLoader",
+    "default_num_workers",
+    "info",
+    "is_rank_zero",
+    "loader",
+    "rank_zero_only",
+    "setup",
+    "teardown",
+    "wrap",
+]

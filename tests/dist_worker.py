@@ -1,0 +1,272 @@
+"""Scenarios run under `torchrun --nproc-per-node 2`; each rank writes what it measured.
+
+Launched by test_distributed.py; results land in OUT/<scenario>.rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import loopkit
+from loopkit import distributed
+
+SCENARIOS: dict[str, Callable[[distributed.DistInfo], dict[str, Any]]] = {}
+
+
+def scenario(fn: Callable[[distributed.DistInfo], dict[str, Any]]) -> Any:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+
+
+def data(sizes: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)) for n in sizes]
+
+
+def counted(model: nn.Module) -> tuple[DDP, list[int]]:
+    ddp = DDP(model)
+    calls: list[int] = []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    return ddp, calls
+
+
+def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def reference(
+    per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]], every: int
+) -> list[torch.Tensor]:
+    """Single process: one step per window on all ranks' micro-batches of that window."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n = len(per_rank[0])
+    for start in range(0, n, every):
+        xs = [b[0] for r in per_rank for b in r[start : start + every]]
+        ys = [b[1] for r in per_rank for b in r[start : start + every]]
+        loss_of(model, (torch.cat(xs), torch.cat(ys))).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@scenario
+def weighted_equivalence(info: distributed.DistInfo) -> dict[str, Any]:
+    """Unequal micro-batch sizes on each rank, weight= their sizes, every=4, ragged tail."""
+    sizes = [[3, 5, 2, 6, 4, 1], [7, 1, 4, 2, 3, 5]]
+    per_rank = [data(s, seed=10 + r) for r, s in enumerate(sizes)]
+    ddp = DDP(mlp())
+    acc = loopkit.accumulate(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), every=4)
+    for batch in acc.iterate(per_rank[info.rank]):
+        with acc:
+            acc.backward(loss_of(ddp, batch), weight=len(batch[0]))
+    got = [p.detach().clone() for p in ddp.module.parameters()]
+    ref = reference(per_rank, 4)
+    return {
+        "max_diff": max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True)),
+        "updates": acc.updates,
+    }
+
+
+@scenario
+def unweighted_equivalence(info: distributed.DistInfo) -> dict[str, Any]:
+    """Equal micro-batches, every=4, 8 micro-steps per rank."""
+    per_rank = [data([4] * 8, seed=20 + r) for r in range(info.world_size)]
+    ddp = DDP(mlp())
+    acc = loopkit.accumulate(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), every=4)
+    for batch in per_rank[info.rank]:
+        with acc:
+            acc.backward(loss_of(ddp, batch))
+    got = [p.detach().clone() for p in ddp.module.parameters()]
+    ref = reference(per_rank, 4)
+    return {"max_diff": max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))}
+
+
+@scenario
+def all_reduce_counts(info: distributed.DistInfo) -> dict[str, Any]:
+    """Comm-hook counts: accumulate's no_sync vs a loop that accumulates without it."""
+    batches = data([4] * 8, seed=30 + info.rank)
+    ddp, with_loopkit = counted(mlp())
+    acc = loopkit.accumulate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), every=4)
+    for batch in batches:
+        with acc:
+            acc.backward(loss_of(ddp, batch))
+    plain, without = counted(mlp())
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for i, batch in enumerate(batches):
+        (loss_of(plain, batch) / 4).backward()
+        if (i + 1) % 4 == 0:
+            opt.step()
+            opt.zero_grad()
+    return {"with_loopkit": len(with_loopkit), "without": len(without), "updates": acc.updates}
+
+
+@scenario
+def logging_collectives(info: distributed.DistInfo) -> dict[str, Any]:
+    """detach_logging under DDP: one collective per flush, values are all-rank means."""
+    calls: list[str] = []
+    originals = {}
+    for name in (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_gather",
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "gather",
+        "all_to_all_single",
+        "reduce_scatter_tensor",
+    ):
+        if not hasattr(dist, name):
+            continue
+        originals[name] = getattr(dist, name)
+
+        def counting(*a: Any, _n: str = name, **k: Any) -> Any:
+            calls.append(_n)
+            return originals[_n](*a, **k)
+
+        setattr(dist, name, counting)
+    flushed: list[dict[str, float]] = []
+    try:
+        log = loopkit.detach_logging(
+            every=10, sink=flushed.append, reduce={"peak": "max", "n": "sum"}
+        )
+        for i in range(30):
+            value = torch.tensor(float(i + 100 * info.rank))
+            log(loss=value, peak=value, n=1.0)
+        per_flush = len(calls) / 3
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {
+        "per_flush": per_flush,
+        "kinds": sorted(set(calls)),
+        "flushed": flushed,
+        "last": log.last,
+    }
+
+
+@scenario
+def checkpointed_blocks(info: distributed.DistInfo) -> dict[str, Any]:
+    """Checkpointed blocks under DDP train to the same weights as plain blocks."""
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)],
+            nn.Linear(8, 1),
+        )
+        if ckpt:
+            loopkit.checkpointed(
+                model, blocks=lambda m: isinstance(m, nn.Sequential) and len(m) == 3
+            )
+        ddp = DDP(model)
+        step = loopkit.step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), accumulate=2)
+        torch.manual_seed(1 + info.rank)
+        for batch in data([4] * 4, seed=40 + info.rank):
+            with step as s:
+                s.backward(loss_of(ddp, batch))
+        results.append([p.detach().clone() for p in model.parameters()])
+    return {
+        "max_diff": max(
+            (a - b).abs().max().item() for a, b in zip(results[0], results[1], strict=True)
+        ),
+        "checkpointed": loopkit.is_checkpointed(model[0]),
+    }
+
+
+@scenario
+def loader_shards(info: distributed.DistInfo) -> dict[str, Any]:
+    """Indices each rank sees, per epoch, from the loader helper."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(40))
+    loader = distributed.loader(dataset, global_batch_size=8, num_workers=0, seed=3)
+    epochs = []
+    for _ in range(3):
+        epochs.append([int(i) for (batch,) in loader for i in batch])
+    return {"epochs": epochs, "batch_size": loader.batch_size}
+
+
+@scenario
+def bad_global_batch(info: distributed.DistInfo) -> dict[str, Any]:
+    """A global batch that the world size does not divide is refused."""
+    try:
+        distributed.loader(torch.utils.data.TensorDataset(torch.arange(10)), global_batch_size=7)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+@scenario
+def fsdp2_no_sync(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 with accumulate(every=4): no_sync on 3 of 4 micro-steps, large-batch result."""
+    from torch.distributed.fsdp import fully_shard
+
+    per_rank = [data([4] * 8, seed=50 + r) for r in range(info.world_size)]
+    model = mlp()
+    try:
+        fully_shard(model)
+    except Exception as err:
+        return {"skipped": f"fully_shard failed on this build: {err}"}
+    flags: list[bool] = []
+    groups = model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    acc = loopkit.accumulate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), every=4)
+    for batch in per_rank[info.rank]:
+        with acc:
+            flags.append(all(g.reduce_grads for g in groups))
+            acc.backward(loss_of(model, batch))
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    got = [full[k] for k in mlp().state_dict()]
+    ref = reference(per_rank, 4)
+    return {
+        "skipped": None,
+        "sync_flags": flags,
+        "max_diff": max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True)),
+    }
+
+
+@scenario
+def already_wrapped(info: distributed.DistInfo) -> dict[str, Any]:
+    """wrap() on a DDP model is refused."""
+    try:
+        distributed.wrap(DDP(mlp()))
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    names = sys.argv[2:] or list(SCENARIOS)
+    with distributed.setup() as info:
+        assert info.world_size == 2, info
+        for name in names:
+            try:
+                result = SCENARIOS[name](info)
+            except Exception:
+                result = {"exception": traceback.format_exc()}
+            torch.save(result, out / f"{name}.rank{info.rank}.pt")
+            dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""DDP for real: two gloo processes under torchrun, two torchrun agents as two nodes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import mlp
+
+import loopkit
+from loopkit import distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env()
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every scenario of dist_worker.py, run once by two processes."""
+    out = tmp_path_factory.mktemp("dist")
+    _run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/dist_worker.py", str(out)])
+    found: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(out.glob("*.rank*.pt")):
+        name, _ = path.name.split(".rank")
+        found.setdefault(name, []).append(torch.load(path, weights_only=False))
+    for name, per_rank in found.items():
+        for r in per_rank:
+            assert "exception" not in r, f"{name}: {r.get('exception')}"
+    return found
+
+
+def test_weighted_micro_batches_match_the_global_large_batch(results: Any) -> None:
+    """Unequal sizes on each rank, weight= sizes: within 1e-6 of one process on all data."""
+    for r in results["weighted_equivalence"]:
+        assert r["updates"] == 2 and r["max_diff"] < 1e-6
+
+
+def test_two_processes_match_one_on_the_same_global_batches(results: Any) -> None:
+    """accumulate(every=4) on 2 ranks ends where one process on the global batches ends."""
+    for r in results["unweighted_equivalence"]:
+        assert r["max_diff"] < 1e-6
+
+
+def test_no_sync_makes_one_all_reduce_per_update(results: Any) -> None:
+    """Counted by a comm hook: 8 micro-steps, every=4 -> 2 all-reduces; without no_sync, 8."""
+    for r in results["all_reduce_counts"]:
+        assert r == {"with_loopkit": 2, "without": 8, "updates": 2}
+
+
+def test_logging_is_one_collective_per_flush_with_all_rank_means(results: Any) -> None:
+    """Three flushes, three collectives; values are means (max, sum) over both ranks."""
+    rank0, rank1 = results["logging_collectives"]
+    for r in (rank0, rank1):
+        assert r["per_flush"] == 1.0 and len(r["kinds"]) == 1
+    # Rank 0 logged i, rank 1 logged i + 100, for i in 0..9 in the first interval.
+    assert rank0["flushed"][0] == {"loss": pytest.approx(54.5), "peak": 109.0, "n": 20.0}
+    assert len(rank0["flushed"]) == 3 and rank1["flushed"] == []  # the sink runs on rank 0
+    assert rank1["last"] == rank0["last"]
+
+
+def test_checkpointed_blocks_train_under_ddp(results: Any) -> None:
+    """Checkpointed blocks (with dropout) under DDP: the same weights as plain blocks."""
+    for r in results["checkpointed_blocks"]:
+        assert r["checkpointed"] and r["max_diff"] == 0.0
+
+
+def test_loader_gives_disjoint_shards_and_new_orders(results: Any) -> None:
+    """Each epoch the ranks' indices are disjoint and cover the data; orders change."""
+    rank0, rank1 = (r["epochs"] for r in results["loader_shards"])
+    for e0, e1 in zip(rank0, rank1, strict=True):
+        assert not set(e0) & set(e1)
+        assert sorted(e0 + e1) == list(range(40))
+    assert rank0[0] != rank0[1] != rank0[2] and rank1[0] != rank1[1]
+    assert results["loader_shards"][0]["batch_size"] == 4  # global 8 over 2 ranks
+
+
+def test_bad_global_batch_and_double_wrap_are_refused(results: Any) -> None:
+    """A global batch the world size does not divide, and wrap() on DDP, raise clearly."""
+    for r in results["bad_global_batch"]:
+        assert "use a multiple of 2" in r["error"]
+    for r in results["already_wrapped"]:
+        assert "already wrapped" in r["error"]
+
+
+def test_fsdp2_no_sync(results: Any) -> None:
+    """FSDP2: gradient sync off on 3 of 4 micro-steps, result equal to the large batch."""
+    for r in results["fsdp2_no_sync"]:
+        if r["skipped"]:
+            pytest.skip(r["skipped"])
+        assert r["sync_flags"] == [False, False, False, True] * 2
+        assert r["max_diff"] < 1e-6
+
+
+def _final_weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def single_process_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("single") / "w.pt"
+    _run([sys.executable, "examples/train_ddp.py", "--out", str(out)])
+    return _final_weights(out)
+
+
+def test_example_two_processes_match_single_process(
+    tmp_path: Path, single_process_weights: dict[str, torch.Tensor]
+) -> None:
+    """examples/train_ddp.py under torchrun with 2 processes ends at the single-process weights."""
+    out = tmp_path / "w.pt"
+    proc = _run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/train_ddp.py",
+            "--out",
+            str(out),
+        ]
+    )
+    assert "done on 2 process(es)" in proc.stdout
+    assert _max_diff(_final_weights(out), single_process_weights) < 1e-6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_by_c10d_rendezvous_match_single_process(
+    tmp_path: Path, single_process_weights: dict[str, torch.Tensor]
+) -> None:
+    """Two torchrun agents (--nnodes 2, c10d on loopback) form one job with the same result."""
+    out = tmp_path / "w.pt"
+    port = _free_port()
+    agents = []
+    for node in range(2):
+        # Node 0 hosts the rendezvous store, as the first machine of a real job would.
+        cmd = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}",
+               "--rdzv-id", "loopkit-test", "examples/train_ddp.py", "--out", str(out)]  # fmt: skip
+        agents.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+            )
+        )
+        time.sleep(1)
+    try:
+        outputs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for agent, (stdout, stderr) in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    assert any("done on 2 process(es)" in o for o, _ in outputs)
+    assert _max_diff(_final_weights(out), single_process_weights) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "0"},
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+    ],
+)
+def test_half_set_launcher_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    """Some launcher variables without the others: an error naming the missing ones."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match="half-set") as info:
+        distributed.setup()
+    assert "MASTER_PORT" in str(info.value) and "torchrun" in str(info.value)
+    assert not dist.is_initialized()
+
+
+def test_rank_beyond_world_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK >= WORLD_SIZE is a launcher mistake, reported before any connection."""
+    for k, v in {
+        "RANK": "2",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match="not below WORLD_SIZE"):
+        distributed.setup()
+
+
+def test_single_process_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a launcher: rank 0 of 1, wrap() returns the model, rank_zero_only runs."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with distributed.setup() as info:
+        assert (info.rank, info.world_size, info.is_rank_zero) == (0, 1, True)
+        assert not dist.is_initialized()
+        model = mlp()
+        assert distributed.wrap(model) is model
+        assert distributed.rank_zero_only(lambda: 5)() == 5
+
+
+def test_single_process_loader_reshuffles_each_epoch_reproducibly() -> None:
+    """Without DDP the loader still gets a new, seeded order every epoch."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+
+    def orders(seed: int) -> list[list[int]]:
+        loader = distributed.loader(dataset, batch_size=4, num_workers=0, seed=seed)
+        return [[int(i) for (b,) in loader for i in b] for _ in range(2)]
+
+    first = orders(5)
+    assert first[0] != first[1] and sorted(first[0]) == list(range(16))
+    assert orders(5) == first and orders(6) != first
+
+
+def test_loader_defaults_follow_the_guides() -> None:
+    """Workers from cores per process, pin_memory only with CUDA, persistent workers."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    loader = distributed.loader(dataset, batch_size=4)
+    workers = distributed.default_num_workers(1)
+    assert loader.loader.num_workers == workers
+    assert loader.loader.pin_memory is torch.cuda.is_available()
+    assert loader.loader.persistent_workers is (workers > 0)
+    with pytest.raises(TypeError, match="exactly one"):
+        distributed.loader(dataset)
+    with pytest.raises(ValueError, match="int >= 1"):
+        distributed.loader(dataset, batch_size=0)
+    assert loopkit.distributed.is_rank_zero()
