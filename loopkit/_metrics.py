@@ -219,7 +219,7 @@ class detach_logging:
         for name, vals in values.items():
             how = self._per_metric.get(name, self._default)
             if isinstance(vals[0], torch.Tensor):
-                t = torch.stack([v.reshape(()) for v in vals]).float()
+                t = torch.stack(vals).float()  # values are 0-d already (see _checked)
                 on_device.setdefault(t.device, []).append((name, _reduce_tensor(t, how)))
             else:
                 out[name] = _reduce_floats(vals, how)
@@ -239,7 +239,7 @@ class detach_logging:
         for name, vals in values.items():
             how = self._per_metric.get(name, self._default)
             if isinstance(vals[0], torch.Tensor):
-                t = torch.stack([v.reshape(()) for v in vals]).to(device, torch.float64)
+                t = torch.stack(vals).to(device, torch.float64)
             else:
                 t = torch.tensor(vals, dtype=torch.float64, device=device)
             if how == "mean":
@@ -344,7 +344,8 @@ def _checked(name: str, v: object, previous: list[Any] | None) -> Any:
                 f"metric {name!r} was a Python number before and is a tensor now: log it "
                 "the same way every call"
             )
-        return v.detach()
+        # Stored 0-d, so the flush stacks them without reshaping each one.
+        return v.detach() if v.dim() == 0 else v.detach().reshape(())
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         if previous and isinstance(previous[0], torch.Tensor):
             raise TypeError(

@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,3 +30,56 @@ def test_checkpointing_benchmark_quick() -> None:
     assert rows["full"]["peak_ratio"] < 1
     assert 1 < rows["full"]["flops_ratio"] <= 1.5
     assert rows["save_matmuls"]["flops_ratio"] < rows["full"]["flops_ratio"]
+
+
+def _json(script: str, *args: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, script, *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
+    """overhead.py --quick: parity held (else it exits non-zero), one row per contender."""
+    rows = _json("benchmarks/overhead.py", "--quick", "--models", "tiny", "--clip")
+    assert {(r["precision"], r["contender"]) for r in rows} == {
+        (p, c)
+        for p in ("fp32", "bf16")
+        for c in ("hand-written", "loopkit pieces", "loopkit.step", "accelerate", "fabric")
+    }
+    for r in rows:
+        assert set(r) >= {"model", "precision", "contender", "us_per_step", "ratio"}
+        if r["contender"] == "hand-written":
+            assert r["ratio"] == 1.0
+        if r["contender"].startswith("loopkit"):
+            assert r["us_per_step"] > 0
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    png = tmp_path / "overhead.png"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/plot.py", str(path), str(png)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speedups_benchmark_quick_counts() -> None:
+    """speedups.py --quick: the exact columns (host syncs, all-reduces) are what they must be."""
+    rows = {r["tip"]: r for r in _json("benchmarks/speedups.py", "--quick")}
+    logging = rows["no .item() every step"]
+    assert logging["baseline"].startswith("100 (") and logging["with_loopkit"].startswith("10 (")
+    ddp = rows["no gradient sync while accumulating (DDP)"]
+    # Two buckets per synchronized backward: 4 backward passes against 1.
+    assert ddp["baseline"].startswith("8 (") and ddp["with_loopkit"].startswith("2 (")
+    pinned = rows["pin_memory + non_blocking copies"]
+    if not torch.cuda.is_available():
+        assert pinned["result"] == "skipped: no GPU"

@@ -1,0 +1,275 @@
+"""Per-step host overhead: loopkit against a hand-written loop, Accelerate and Lightning Fabric.
+
+The same training (model, data, seed, accumulation of 4, optional clipping) written five
+ways, run interleaved in one process on one CPU thread: median microseconds per
+micro-step over repeated runs, and each contender's ratio to the hand-written loop
+measured in the same run. The loopkit runs must end with parameters bit-identical to
+the hand-written run (checked before timing; a mismatch aborts).
+
+    python benchmarks/overhead.py [--quick] [--json] [--clip]
+
+Accelerate and Fabric rows need them installed (``pip install -e ".[bench]"``); missing
+ones are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import loopkit
+
+N = 4  # micro-batches per update
+Batch = tuple[torch.Tensor, torch.Tensor]
+MODELS = {
+    # One 1x1 linear layer: almost no compute, so the difference is the host work added.
+    "null": {"batch": 1, "sizes": (1, 1)},
+    "tiny": {"batch": 32, "sizes": (16, 64, 64, 1)},
+    "medium": {"batch": 64, "sizes": (256, 1024, 1024, 1)},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build(model_name: str) -> nn.Module:
+    torch.manual_seed(0)
+    sizes = MODELS[model_name]["sizes"]
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(sizes):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1]) if len(layers) > 2 else layers[0]
+
+
+def make_data(model_name: str, n: int = 16) -> list[Batch]:
+    g = torch.Generator().manual_seed(1)
+    b, d = MODELS[model_name]["batch"], MODELS[model_name]["sizes"][0]
+    return [(torch.randn(b, d, generator=g), torch.randn(b, 1, generator=g)) for _ in range(n)]
+
+
+Runner = Callable[[nn.Module, list[Batch], int, str, float | None], None]
+
+
+def hand(model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    dtype = DTYPES[prec]
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        # What a user writes: no autocast at all in fp32.
+        with torch.autocast("cpu", dtype=dtype) if prec != "fp32" else contextlib.nullcontext():
+            loss = nn.functional.mse_loss(model(x), y)
+        (loss / N).backward()
+        if (i + 1) % N == 0:
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def loopkit_pieces(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    amp = loopkit.autocast_step(prec, device_type="cpu")
+    acc = loopkit.accumulate(model, opt, every=N, clip_grad_norm=clip, amp=amp)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        with acc:
+            with amp:
+                loss = nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+
+
+def loopkit_step(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+
+
+def accelerate_loop(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(
+        cpu=True, mixed_precision="no" if prec == "fp32" else prec, gradient_accumulation_steps=N
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if clip is not None and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def fabric_loop(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:
+        from lightning_fabric import Fabric
+
+    fabric = Fabric(
+        accelerator="cpu", devices=1, precision="32-true" if prec == "fp32" else "bf16-mixed"
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, opt = fabric.setup(model, opt)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        accumulating = (i + 1) % N != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss / N)
+        if not accumulating:
+            if clip is not None:
+                fabric.clip_gradients(model, opt, max_norm=clip, error_if_nonfinite=False)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+CONTENDERS: dict[str, Runner] = {
+    "hand-written": hand,
+    "loopkit pieces": loopkit_pieces,
+    "loopkit.step": loopkit_step,
+    "accelerate": accelerate_loop,
+    "fabric": fabric_loop,
+}
+LOOPKIT = ("loopkit pieces", "loopkit.step")
+
+
+def available() -> dict[str, str | None]:
+    """Contender -> None if it can run, else why not."""
+    why: dict[str, str | None] = dict.fromkeys(CONTENDERS)
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        why["accelerate"] = "skipped: accelerate not installed"
+    try:
+        import lightning_fabric  # noqa: F401
+    except ImportError:
+        why["fabric"] = "skipped: pip install lightning-fabric (the bench extra)"
+    return why
+
+
+def check_parity(model_name: str, prec: str, clip: float | None) -> None:
+    """loopkit's runs must end bit-identical to the hand-written run."""
+    data = make_data(model_name)
+    ref = build(model_name)
+    hand(ref, data, 4 * N, prec, clip)
+    for name in LOOPKIT:
+        model = build(model_name)
+        CONTENDERS[name](model, data, 4 * N, prec, clip)
+        for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+            if not torch.equal(a, b):
+                raise SystemExit(
+                    f"parity broken: {name} ({model_name}, {prec}) differs from the "
+                    "hand-written loop"
+                )
+
+
+def time_once(
+    name: str, model_name: str, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> float:
+    model = build(model_name)
+    gc.collect()
+    start = time.perf_counter()
+    CONTENDERS[name](model, data, steps, prec, clip)
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def bench(
+    model_name: str, prec: str, steps: int, repeats: int, clip: float | None, names: list[str]
+) -> dict[str, float]:
+    data = make_data(model_name)
+    for name in names:  # warm-up
+        time_once(name, model_name, data, min(steps, 8 * N), prec, clip)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        # Interleaved, in a rotating order, so drift in the machine's speed hits all alike.
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            samples[name].append(time_once(name, model_name, data, steps, prec, clip))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 1 min)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--clip", action="store_true", help="clip gradients at norm 1.0")
+    parser.add_argument("--models", nargs="+", default=["tiny", "medium"], choices=list(MODELS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    clip = 1.0 if args.clip else None
+    why = available()
+    names = [n for n in CONTENDERS if why[n] is None]
+    plan = {
+        "null": (400, 3) if args.quick else (4000, 9),
+        "tiny": (400, 3) if args.quick else (2000, 7),
+        # Many short interleaved runs: a medium step is milliseconds, so run-to-run drift
+        # of the machine, not loopkit, is what a few long runs would measure.
+        "medium": (40, 3) if args.quick else (40, 25),
+    }
+    rows: list[dict[str, Any]] = []
+    for model_name in args.models:
+        for prec in DTYPES:
+            check_parity(model_name, prec, clip)
+            steps, repeats = plan[model_name]
+            us = bench(model_name, prec, steps, repeats, clip, names)
+            for name in CONTENDERS:
+                row: dict[str, Any] = {"model": model_name, "precision": prec, "contender": name}
+                if name in us:
+                    row |= {
+                        "us_per_step": round(us[name], 2),
+                        "ratio": round(us[name] / us["hand-written"], 4),
+                        "added_us": round(us[name] - us["hand-written"], 2),
+                    }
+                else:
+                    row |= {"us_per_step": None, "ratio": None, "note": why[name]}
+                rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(
+            f"torch {torch.__version__}, 1 CPU thread, accumulation {N}"
+            f"{', clipping' if clip else ''}; parity: loopkit bit-identical to hand-written\n"
+        )
+        print(
+            "| model | precision | contender | us / micro-step | ratio to hand-written | us added |"
+        )
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if r["ratio"] is None:
+                print(f"| {r['model']} | {r['precision']} | {r['contender']} | {r['note']} | | |")
+            else:
+                print(
+                    f"| {r['model']} | {r['precision']} | {r['contender']} "
+                    f"| {r['us_per_step']:.1f} | {r['ratio']:.3f} | {r['added_us']:+.1f} |"
+                )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
