@@ -10,6 +10,7 @@ from ._device import to_device
 from ._memory import track_memory
 from ._metrics import LoggingSink, Sink, TensorBoardSink, detach_logging, print_sink
 from ._precision import Precision, autocast_step
+from ._resume import Checkpointer, CheckpointError, Stateful, load_checkpoint
 from ._step import step
 from ._sync import no_sync
 from ._syncs import count_host_syncs
@@ -17,9 +18,12 @@ from ._syncs import count_host_syncs
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "LoggingSink",
     "Precision",
     "Sink",
+    "Stateful",
     "TensorBoardSink",
     "__version__",
     "accumulate",
@@ -28,6 +32,7 @@ __all__ = [
     "count_host_syncs",
     "detach_logging",
     "is_checkpointed",
+    "load_checkpoint",
     "no_sync",
     "print_sink",
     "step",

@@ -41,7 +41,10 @@ class accumulate(ContextDecorator):
     token count when they differ) inside. Non-final micro-steps run under ``no_sync``.
     Leaving the final micro-step of a window unscales (fp16), normalizes, clips, steps the
     optimizer (skipping inf/nan under fp16), steps the scheduler only if the optimizer
-    really stepped, and zeroes the gradients. ``acc.flush()`` after the loop (or
+    really stepped, and zeroes the gradients. ``skip_nonfinite=True`` (for bf16/fp32; fp16's
+    scaler always skips) skips any update whose loss or gradient norm is inf/nan, at the
+    cost of one host read per update; ``max_consecutive_skips=K`` raises after K skipped
+    updates in a row. ``acc.flush()`` after the loop (or
     ``for batch in acc.iterate(loader)``, which knows where the data ends) closes a
     ragged last window with exact normalization. A micro-step left without backward
     counts toward ``every`` but contributes nothing.
@@ -59,6 +62,8 @@ class accumulate(ContextDecorator):
         scheduler: Any = None,
         clip_grad_norm: float | None = None,
         amp: autocast_step | None = None,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -94,6 +99,17 @@ class accumulate(ContextDecorator):
                 f"amp must be a loopkit.autocast_step (it carries the fp16 GradScaler), got "
                 f"{type(amp).__name__}"
             )
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                "max_consecutive_skips must be an int >= 1 (raise after that many skipped "
+                f"updates in a row) or None, got {max_consecutive_skips!r}"
+            )
         model_params = {id(p) for p in model.parameters()}
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if not any(id(p) in model_params for p in opt_params):
@@ -116,6 +132,10 @@ class accumulate(ContextDecorator):
         self.scheduler = scheduler
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.amp = amp
+        self.skip_nonfinite = skip_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self._consecutive_skips = 0
+        self._loss_finite: torch.Tensor | None = None
         self._kind = sync_kind(model)
         self._no_sync: no_sync | None = None if self._kind == "none" else no_sync(model)
         self._params = opt_params
@@ -133,6 +153,8 @@ class accumulate(ContextDecorator):
         self._in_no_sync = False
         self._ending = False
         self._final_marked = False
+        self.lookahead = 0
+        """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
         # Weighted normalization reference: fixed at the first weighted backward so that
         # every micro-step's loss is scaled alike (the same on every rank under DDP).
         self._w_ref: Any = None
@@ -140,7 +162,7 @@ class accumulate(ContextDecorator):
         self.updates = 0
         """Optimizer updates done."""
         self.skipped = 0
-        """Updates skipped because fp16 gradients held inf/nan."""
+        """Updates skipped for inf/nan (fp16's scaler, or ``skip_nonfinite``)."""
         self.grad_norm: torch.Tensor | None = None
         """Total gradient norm before clipping at the last update (a device tensor, no sync)."""
         _BOUND[optimizer] = weakref.ref(self)
@@ -211,11 +233,14 @@ class accumulate(ContextDecorator):
         else:
             w = 1
             scaled = loss / self.every
+        finite = torch.isfinite(loss.detach()) if self.skip_nonfinite else None
         if self.amp is not None:
             self.amp.backward(scaled)
         else:
             scaled.backward()
         # State changes only once backward has succeeded.
+        if finite is not None:
+            self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self._weighted = weighted
         self._weight_sum = w if self._n_backward == 0 else self._weight_sum + w
         if isinstance(w, torch.Tensor):
@@ -253,6 +278,7 @@ class accumulate(ContextDecorator):
         """Yield the items of ``iterable``, marking the last so its window closes on exit.
 
         Looks one item ahead; a window never spans two calls (two epochs).
+        ``acc.lookahead`` is 1 while an item is held back that the loop has not seen.
         """
         it = iter(iterable)
         try:
@@ -265,12 +291,15 @@ class accumulate(ContextDecorator):
                 try:
                     nxt = next(it)
                 except StopIteration:
+                    self.lookahead = 0
                     self._final_marked = True
                     yield cur
                     return
+                self.lookahead = 1
                 yield cur
         finally:
             self._final_marked = False
+            self.lookahead = 0
 
     def _boundary(self) -> bool:
         n = self._n_backward
@@ -290,19 +319,49 @@ class accumulate(ContextDecorator):
                     torch._foreach_mul_(grads, factor)
             if self.clip_grad_norm is not None:
                 # Returns a device tensor: no host sync (non-finite norms are left to the
-                # fp16 skip, not raised).
+                # fp16 skip or the non-finite guard, not raised).
                 self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            stepped = amp.step(self.optimizer) if amp is not None else _plain_step(self.optimizer)
+            if (
+                self.skip_nonfinite
+                and (amp is None or amp.scaler is None)
+                and not self._finite(params)
+            ):
+                stepped = False
+            elif amp is not None:
+                stepped = amp.step(self.optimizer)
+            else:
+                stepped = _plain_step(self.optimizer)
             if stepped:
                 self.updates += 1
+                self._consecutive_skips = 0
                 if self.scheduler is not None:
                     self.scheduler.step()
             else:
                 self.skipped += 1
+                self._consecutive_skips += 1
+                limit = self.max_consecutive_skips
+                if limit is not None and self._consecutive_skips >= limit:
+                    raise RuntimeError(
+                        f"{self._consecutive_skips} updates in a row were skipped for a "
+                        "non-finite loss or gradient: training has diverged. Lower the learning "
+                        "rate, check the data, or resume from an earlier checkpoint"
+                    )
             return stepped
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_window()
+
+    def _finite(self, params: list[torch.Tensor]) -> bool:
+        norm = self.grad_norm if self.clip_grad_norm is not None else None
+        if norm is None:
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        ok = torch.isfinite(norm)
+        if self._loss_finite is not None:
+            ok = ok & self._loss_finite.to(ok.device)
+        # Host-device sync, once per update and only with skip_nonfinite: whether to step
+        # is a host decision, and no weight may see a non-finite update.
+        return bool(ok.item())
 
     def _normalization(self, n: int) -> Any:
         if not self._weighted:
@@ -330,6 +389,7 @@ class accumulate(ContextDecorator):
         self._weighted = None
         self._weight_sum = 0
         self._weight_min = None
+        self._loss_finite = None
         self._last_synced = True
 
     def _current_params(self) -> list[torch.Tensor]:
@@ -380,6 +440,7 @@ class accumulate(ContextDecorator):
         return {
             "updates": self.updates,
             "skipped": self.skipped,
+            "consecutive_skips": self._consecutive_skips,
             "every": self.every,
             "w_ref": w_ref,
         }
@@ -393,6 +454,7 @@ class accumulate(ContextDecorator):
             )
         self.updates = int(state["updates"])
         self.skipped = int(state["skipped"])
+        self._consecutive_skips = int(state.get("consecutive_skips", 0))
         self._w_ref = state.get("w_ref")
 
     def __repr__(self) -> str:

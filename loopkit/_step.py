@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._accumulate import Weight, accumulate
+from ._accumulate import Weight
+from ._accumulate import accumulate as accumulate_
 from ._core import DeviceLike, resolve_device
 from ._device import _Mover
 from ._metrics import detach_logging, print_sink
@@ -44,7 +45,8 @@ class step:
     (``"bf16"``, ``"fp16"``, ``"fp32"``), ``accumulate=N`` micro-batches per update (with
     ``no_sync`` under DDP and exact normalization), ``clip_grad_norm``, ``scheduler``
     (stepped once per real update), ``device`` for ``s.to_device``/``step.iterate`` and
-    ``log`` (a ``detach_logging`` or an int: print every that many micro-steps).
+    ``log`` (a ``detach_logging`` or an int: print every that many micro-steps);
+    ``skip_nonfinite``/``max_consecutive_skips`` guard bf16/fp32 updates (see accumulate).
     """
 
     def __init__(
@@ -62,6 +64,8 @@ class step:
         uint8_to: torch.dtype | None = None,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         channels_last: bool = False,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -80,13 +84,15 @@ class step:
         self.amp = autocast_step(precision, device_type=self.device.type)
         self._autocast_on = self.amp.precision != "fp32"
         self.log: detach_logging | None = _make_log(log)
-        self.accumulate = _accumulate_for(
+        self.accumulate = accumulate_(
             model,
             optimizer,
             accumulate,
-            scheduler,
-            clip_grad_norm,
-            self.amp if self.amp.precision != "fp32" else None,
+            scheduler=scheduler,
+            clip_grad_norm=clip_grad_norm,
+            amp=self.amp if self.amp.precision != "fp32" else None,
+            skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
         )
         self._mover = _Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
         self.model = model
@@ -199,17 +205,6 @@ class step:
             f"loopkit.step(precision={self.amp.precision!r}, "
             f"accumulate={self.accumulate.every}, device={str(self.device)!r})"
         )
-
-
-def _accumulate_for(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    every: int,
-    scheduler: Any,
-    clip: float | None,
-    amp: autocast_step | None,
-) -> accumulate:
-    return accumulate(model, optimizer, every, scheduler=scheduler, clip_grad_norm=clip, amp=amp)
 
 
 def _make_log(log: detach_logging | int | None) -> detach_logging | None:

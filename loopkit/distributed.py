@@ -230,27 +230,94 @@ class _SeededRandomSampler(Sampler[int]):
         return self.n
 
 
-class EpochLoader:
-    """A DataLoader that advances its sampler's epoch on every pass, so no rank forgets."""
+class _ResumableSampler(Sampler[int]):
+    """Wraps the real sampler; skips the first indices of one pass when resuming mid-epoch."""
 
-    def __init__(self, loader: DataLoader[Any], sampler: Any) -> None:
+    def __init__(self, base: Sampler[int] | None, n: int) -> None:
+        self.base = base
+        self.n = n
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.base, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        indices: Iterator[int] = iter(self.base) if self.base is not None else iter(range(self.n))
+        skip, self.skip = self.skip, 0
+        for _ in range(skip):  # indices only: no sample is loaded to be thrown away
+            next(indices, None)
+        return indices
+
+    def __len__(self) -> int:
+        return len(self.base) if isinstance(self.base, Sized) else self.n
+
+
+class EpochLoader:
+    """A DataLoader that advances its sampler's epoch on every pass, so no rank forgets.
+
+    It also knows how far the current pass got (``position``, in batches), which is what
+    a checkpoint needs to continue the same data order mid-epoch.
+    """
+
+    def __init__(self, loader: DataLoader[Any], sampler: _ResumableSampler) -> None:
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
         """The epoch the next pass will run (0 before the first)."""
+        self.position = 0
+        """Batches handed out in the current pass."""
+        self._resume_at = 0
+        self._pass_epoch = 0
+        self._pass_generator_state: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        self.sampler.set_epoch(epoch)
+        generator = self.loader.generator
+        if generator is not None:
+            # The pass draws its worker seeds from this generator: remember its state at the
+            # start of the pass so a resumed pass draws the same ones.
+            self._pass_generator_state = generator.get_state()
+        start, self._resume_at = self._resume_at, 0
+        self.sampler.skip = start * (self.loader.batch_size or 1)
+        self._pass_epoch = epoch
+        self.position = start
+        return self._counted(iter(self.loader))
+
+    def _counted(self, it: Iterator[Any]) -> Iterator[Any]:
+        for batch in it:
+            self.position += 1
+            yield batch
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass run ``epoch`` (for a resumed run)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self.epoch = epoch
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where the current pass stands: its epoch and the batches ``consumed`` so far."""
+        state: dict[str, Any] = {
+            "epoch": self._pass_epoch,
+            "position": self.position if consumed is None else consumed,
+            "next_epoch": self.epoch,
+        }
+        if self._pass_generator_state is not None:
+            state["generator"] = self._pass_generator_state
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state_dict`` left off: the same epoch, the next batch."""
+        position, epoch = int(state["position"]), int(state["epoch"])
+        if position >= len(self.loader):
+            # The pass had finished: the next one is a new epoch.
+            self.epoch, self._resume_at = int(state["next_epoch"]), 0
+            return
+        self.epoch, self._resume_at = epoch, position
+        if "generator" in state and self.loader.generator is not None:
+            self.loader.generator.set_state(state["generator"])
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -309,9 +376,9 @@ def loader(
         pin_memory = here.device.type == "cuda"
     if persistent_workers is None:
         persistent_workers = num_workers > 0
-    sampler: Any
+    base: Any
     if here.is_distributed:
-        sampler = DistributedSampler(
+        base = DistributedSampler(
             dataset,
             num_replicas=here.world_size,
             rank=here.rank,
@@ -320,9 +387,10 @@ def loader(
             drop_last=drop_last,
         )
     elif shuffle:
-        sampler = _SeededRandomSampler(len(dataset), seed)
+        base = _SeededRandomSampler(len(dataset), seed)
     else:
-        sampler = None
+        base = None
+    sampler = _ResumableSampler(base, len(dataset))
     generator = torch.Generator().manual_seed(seed * 1000 + here.rank)
     dl = DataLoader(
         dataset,

@@ -43,9 +43,9 @@ def test_only_known_block_languages() -> None:
     assert {lang for lang, _ in BLOCKS} <= {"python", "bash"}
 
 
-def test_python_blocks_run_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_blocks_run_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """All python blocks, executed top to bottom in one namespace, run without error."""
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)  # what they write (checkpoints) lands in a fresh folder
     namespace: dict[str, object] = {"__name__": "__readme__"}
     for i, (lang, body) in enumerate(BLOCKS):
         if lang == "python":

@@ -1,0 +1,498 @@
+"""The bad-input catalogue: every public entry point refuses wrong input clearly.
+
+Each row is a wrong call, the exception type it must raise, and a piece of the message
+that tells the user how to fix it. A hypothesis fuzz then throws arbitrary argument
+combinations at the constructors: they either work or raise TypeError, ValueError or
+RuntimeError (never an AttributeError or KeyError from deep inside).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import mlp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+
+ALLOWED = (TypeError, ValueError, RuntimeError)
+
+
+def _opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
+    m = mlp()
+    return m, _opt(m)
+
+
+def _acc_backward_outside() -> None:
+    m, o = _model_opt()
+    loopkit.accumulate(m, o, every=2).backward(m(torch.ones(1, 8)).sum())
+
+
+def _acc_reenter() -> None:
+    m, o = _model_opt()
+    acc = loopkit.accumulate(m, o, every=2)
+    with acc, acc:
+        pass
+
+
+def _acc_flush_inside() -> None:
+    m, o = _model_opt()
+    acc = loopkit.accumulate(m, o, every=2)
+    with acc:
+        acc.flush()
+
+
+def _amp_step_unscaled() -> None:
+    m, o = _model_opt()
+    amp = loopkit.autocast_step("fp16", device_type="cpu")
+    m(torch.ones(1, 8)).sum().backward()
+    amp.step(o)
+
+
+def _amp_step_nothing() -> None:
+    loopkit.autocast_step("bf16", device_type="cpu").step()
+
+
+def _step_log_metrics_without_log() -> None:
+    m, o = _model_opt()
+    with loopkit.step(m, o) as s:
+        s.log_metrics(x=1.0)
+
+
+def _checkpointer(tmp: Path, **kw: Any) -> loopkit.Checkpointer:
+    m, o = _model_opt()
+    return loopkit.Checkpointer(tmp, **{"model": m, "optimizer": o, **kw})
+
+
+def _maybe_save_zero(tmp: Path) -> None:
+    m, o = _model_opt()
+    loopkit.Checkpointer(tmp, model=m, step=loopkit.step(m, o)).maybe_save(every=0)
+
+
+CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
+    # to_device
+    (
+        "to_device without device",
+        lambda t: loopkit.to_device(torch.ones(1)),
+        TypeError,
+        "to_device(obj, device)",
+    ),
+    (
+        "to_device bad device",
+        lambda t: loopkit.to_device(torch.ones(1), "gpu0"),
+        ValueError,
+        "pass e.g. 'cpu'",
+    ),
+    (
+        "to_device unsafe non_blocking",
+        lambda t: loopkit.to_device(1, "cpu", non_blocking=True),
+        ValueError,
+        "non_blocking=None",
+    ),
+    (
+        "to_device non_blocking type",
+        lambda t: loopkit.to_device(1, "cpu", non_blocking="yes"),
+        TypeError,
+        "None picks",
+    ),
+    (
+        "to_device integer uint8_to",
+        lambda t: loopkit.to_device(1, "cpu", uint8_to=torch.int16),
+        ValueError,
+        "torch.float32",
+    ),
+    (
+        "to_device normalize alone",
+        lambda t: loopkit.to_device(1, "cpu", normalize=([0], [1])),
+        ValueError,
+        "also pass uint8_to",
+    ),
+    # autocast_step
+    (
+        "autocast unknown precision",
+        lambda t: loopkit.autocast_step("half-ish"),
+        ValueError,
+        "use 'bf16', 'fp16' or 'fp32'",
+    ),
+    (
+        "autocast device without autocast",
+        lambda t: loopkit.autocast_step("bf16", device_type="meta"),
+        ValueError,
+        "precision='fp32'",
+    ),
+    (
+        "autocast scaler for bf16",
+        lambda t: loopkit.autocast_step("bf16", device_type="cpu", scaler={}),
+        ValueError,
+        "drop the scaler",
+    ),
+    (
+        "autocast step without scaled backward",
+        lambda t: _amp_step_unscaled(),
+        RuntimeError,
+        "amp.backward(loss)",
+    ),
+    ("autocast step of nothing", lambda t: _amp_step_nothing(), TypeError, "amp.step(optimizer)"),
+    (
+        "autocast load fp16 state into bf16",
+        lambda t: loopkit.autocast_step("bf16", device_type="cpu").load_state_dict({"scaler": {}}),
+        ValueError,
+        "autocast_step('fp16')",
+    ),
+    # detach_logging
+    (
+        "logging every 0",
+        lambda t: loopkit.detach_logging(every=0),
+        ValueError,
+        "or None (flush only",
+    ),
+    ("logging bad sink", lambda t: loopkit.detach_logging(sink="stdout"), TypeError, "e.g. print"),
+    (
+        "logging bad reduction",
+        lambda t: loopkit.detach_logging(reduce="median"),
+        ValueError,
+        "use one of",
+    ),
+    (
+        "logging vector metric",
+        lambda t: loopkit.detach_logging(sink=None)(x=torch.ones(3)),
+        ValueError,
+        "log(x=value.mean())",
+    ),
+    (
+        "logging no metrics",
+        lambda t: loopkit.detach_logging(sink=None)(),
+        TypeError,
+        "log(loss=loss",
+    ),
+    (
+        "logging sync_ranks without a group",
+        lambda t: loopkit.detach_logging(sink=None, sync_ranks=True)(x=1.0),
+        RuntimeError,
+        "loopkit.distributed.setup()",
+    ),
+    # accumulate
+    (
+        "accumulate every 0",
+        lambda t: loopkit.accumulate(*_model_opt(), every=0),
+        ValueError,
+        "micro-batches per optimizer update",
+    ),
+    (
+        "accumulate clip negative",
+        lambda t: loopkit.accumulate(*_model_opt(), clip_grad_norm=-1),
+        ValueError,
+        "positive finite number or None",
+    ),
+    (
+        "accumulate foreign optimizer",
+        lambda t: loopkit.accumulate(mlp(), _opt(mlp())),
+        ValueError,
+        "build it from model.parameters()",
+    ),
+    (
+        "accumulate not a model",
+        lambda t: loopkit.accumulate("model", _opt(mlp())),
+        TypeError,
+        "nn.Module",
+    ),
+    (
+        "accumulate bad max skips",
+        lambda t: loopkit.accumulate(*_model_opt(), max_consecutive_skips=0),
+        ValueError,
+        "int >= 1",
+    ),
+    (
+        "accumulate backward outside",
+        lambda t: _acc_backward_outside(),
+        RuntimeError,
+        "inside `with acc:`",
+    ),
+    ("accumulate nested", lambda t: _acc_reenter(), RuntimeError, "once per micro-batch"),
+    (
+        "accumulate flush inside",
+        lambda t: _acc_flush_inside(),
+        RuntimeError,
+        "after the micro-step ends",
+    ),
+    # no_sync
+    ("no_sync not a module", lambda t: loopkit.no_sync("model"), TypeError, "nn.Module"),
+    (
+        "no_sync enabled not bool",
+        lambda t: loopkit.no_sync(mlp(), enabled="no"),
+        TypeError,
+        "True or False",
+    ),
+    # step
+    (
+        "step on another device",
+        lambda t: loopkit.step(*_model_opt(), device="meta"),
+        ValueError,
+        "move the model first",
+    ),
+    ("step bad log", lambda t: loopkit.step(*_model_opt(), log="yes"), ValueError, "int >= 1"),
+    (
+        "step log_metrics without log",
+        lambda t: _step_log_metrics_without_log(),
+        RuntimeError,
+        "build it with log=",
+    ),
+    # checkpointed
+    (
+        "checkpointed not callable",
+        lambda t: loopkit.checkpointed(42),
+        TypeError,
+        "@loopkit.checkpointed on a function",
+    ),
+    (
+        "checkpointed every 0",
+        lambda t: loopkit.checkpointed(mlp(), blocks=nn.Linear, every=0),
+        ValueError,
+        "every k-th block",
+    ),
+    (
+        "checkpointed no match",
+        lambda t: loopkit.checkpointed(mlp(), blocks=nn.Conv1d),
+        ValueError,
+        "pass the class of the repeated block",
+    ),
+    (
+        "checkpointed unknown policy",
+        lambda t: loopkit.checkpointed(mlp(), policy="some"),
+        ValueError,
+        "'full' (recompute everything)",
+    ),
+    # distributed
+    (
+        "loader both batch sizes",
+        lambda t: distributed.loader(
+            torch.utils.data.TensorDataset(torch.ones(4)), 2, global_batch_size=2
+        ),
+        TypeError,
+        "exactly one",
+    ),
+    (
+        "loader iterable dataset",
+        lambda t: distributed.loader(iter([1]), 1),
+        TypeError,
+        "map-style dataset",
+    ),
+    ("wrap not a module", lambda t: distributed.wrap("model"), TypeError, "nn.Module"),
+    # Checkpointer
+    (
+        "checkpointer keep 0",
+        lambda t: _checkpointer(t, keep=0),
+        ValueError,
+        "checkpoints kept on disk",
+    ),
+    (
+        "checkpointer bad loader",
+        lambda t: _checkpointer(t, loader=[1, 2]),
+        TypeError,
+        "loopkit.distributed.loader",
+    ),
+    (
+        "checkpointer extra without state",
+        lambda t: _checkpointer(t, extra={"x": 3}),
+        TypeError,
+        "wrap it in an object",
+    ),
+    (
+        "checkpointer bad step",
+        lambda t: _checkpointer(t, step="s"),
+        TypeError,
+        "loopkit.step or loopkit.accumulate",
+    ),
+    ("maybe_save every 0", _maybe_save_zero, ValueError, "updates between saves"),
+    (
+        "load missing file",
+        lambda t: loopkit.load_checkpoint(t / "nope.pt"),
+        loopkit.CheckpointError,
+        "no such checkpoint",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "exc", "hint"), CATALOGUE, ids=[row[0] for row in CATALOGUE]
+)
+def test_catalogue(
+    name: str, call: Callable[[Path], Any], exc: type[Exception], hint: str, tmp_path: Path
+) -> None:
+    """The wrong call raises the documented type with a message that says what to do."""
+    with pytest.raises(exc) as info:
+        call(tmp_path)
+    assert type(info.value) is exc or issubclass(type(info.value), exc)
+    assert hint in str(info.value), str(info.value)
+
+
+def test_catalogue_covers_every_public_entry_point() -> None:
+    """Each name in loopkit.__all__ that takes arguments appears in the catalogue."""
+    covered = " ".join(row[0] for row in CATALOGUE)
+    takes_no_input = {
+        "count_host_syncs",
+        "track_memory",
+        "print_sink",
+        "is_checkpointed",
+        "LoggingSink",
+        "TensorBoardSink",
+        "Sink",
+        "Stateful",
+        "Precision",
+        "CheckpointError",
+        "__version__",
+    }
+    words = {
+        "to_device": "to_device",
+        "autocast_step": "autocast",
+        "detach_logging": "logging",
+        "accumulate": "accumulate",
+        "no_sync": "no_sync",
+        "step": "step",
+        "checkpointed": "checkpointed",
+        "Checkpointer": "checkpointer",
+        "load_checkpoint": "load",
+    }
+    for name in loopkit.__all__:
+        if name not in takes_no_input:
+            assert words[name] in covered, name
+
+
+ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 5),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.sampled_from(["bf16", "fp16", "fp32", "cpu", "meta", "mean", "max"]),
+    st.lists(st.integers(0, 3), max_size=3),
+    st.just(torch.float32),
+    st.just(torch.int8),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def _only_allowed(fn: Callable[[], Any]) -> None:
+    with contextlib.suppress(*ALLOWED):
+        fn()
+
+
+@SETTINGS
+@given(every=ANY, clip=ANY, skip=ANY, max_skips=ANY)
+def test_fuzz_accumulate(every: Any, clip: Any, skip: Any, max_skips: Any) -> None:
+    """Any argument combination: accumulate is built or refuses with an allowed type."""
+    m, o = _model_opt()
+    _only_allowed(
+        lambda: loopkit.accumulate(
+            m,
+            o,
+            every=every,
+            clip_grad_norm=clip,
+            skip_nonfinite=skip,
+            max_consecutive_skips=max_skips,
+        )
+    )
+
+
+@SETTINGS
+@given(precision=ANY, accumulate=ANY, clip=ANY, log=ANY, device=ANY)
+def test_fuzz_step(precision: Any, accumulate: Any, clip: Any, log: Any, device: Any) -> None:
+    """Any argument combination: loopkit.step is built or refuses with an allowed type."""
+    m, o = _model_opt()
+    _only_allowed(
+        lambda: loopkit.step(
+            m,
+            o,
+            precision=precision,
+            accumulate=accumulate,
+            clip_grad_norm=clip,
+            log=log,
+            device=device,
+        )
+    )
+
+
+@SETTINGS
+@given(every=ANY, sink=ANY, reduce=ANY, value=ANY)
+def test_fuzz_detach_logging(every: Any, sink: Any, reduce: Any, value: Any) -> None:
+    """Any settings and any logged value: it works or refuses with an allowed type."""
+
+    def run() -> None:
+        log = loopkit.detach_logging(every=every, sink=sink, reduce=reduce)
+        log(x=value)
+        log.flush()
+
+    _only_allowed(run)
+
+
+@SETTINGS
+@given(precision=ANY, device_type=ANY)
+def test_fuzz_autocast_step(precision: Any, device_type: Any) -> None:
+    """Any precision and device type: autocast_step is built or refuses with an allowed type."""
+    _only_allowed(lambda: loopkit.autocast_step(precision, device_type=device_type))
+
+
+@SETTINGS
+@given(device=ANY, non_blocking=ANY, uint8_to=ANY, channels_last=ANY)
+def test_fuzz_to_device(device: Any, non_blocking: Any, uint8_to: Any, channels_last: Any) -> None:
+    """Any transfer options: the batch moves or the call refuses with an allowed type."""
+    batch = {"x": torch.zeros(1, 3, 2, 2, dtype=torch.uint8), "y": [torch.ones(2)]}
+    _only_allowed(
+        lambda: loopkit.to_device(
+            batch, device, non_blocking=non_blocking, uint8_to=uint8_to, channels_last=channels_last
+        )
+    )
+
+
+@SETTINGS
+@given(every=ANY, policy=ANY, blocks=ANY)
+def test_fuzz_checkpointed(every: Any, policy: Any, blocks: Any) -> None:
+    """Any selection and policy: checkpointed applies or refuses with an allowed type."""
+    _only_allowed(lambda: loopkit.checkpointed(mlp(), every=every, policy=policy, blocks=blocks))
+
+
+@SETTINGS
+@given(keep=ANY, every=ANY)
+def test_fuzz_checkpointer(keep: Any, every: Any) -> None:
+    """Any keep/every: the Checkpointer is built and saves, or refuses with an allowed type."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        m, o = _model_opt()
+        _only_allowed(
+            lambda: loopkit.Checkpointer(
+                tmp, model=m, optimizer=o, keep=keep, step=loopkit.step(m, o)
+            ).maybe_save(every)
+        )
+
+
+def test_nan_is_never_a_valid_number() -> None:
+    """NaN slips past `< 1` style checks; every numeric option refuses it."""
+    m, o = _model_opt()
+    for kwargs in (
+        {"every": math.nan},
+        {"clip_grad_norm": math.nan},
+        {"max_consecutive_skips": math.nan},
+    ):
+        with pytest.raises(ValueError):
+            loopkit.accumulate(m, o, **kwargs)
+    with pytest.raises(ValueError):
+        loopkit.detach_logging(every=math.nan)
