@@ -99,6 +99,18 @@ def loopkit_step(
             s.backward(nn.functional.mse_loss(model(x), y))
 
 
+def loopkit_step_doctor(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    doc = loopkit.doctor()  # its default: host syncs counted on steps 3, 4, 5 and every 500th
+    step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip, doctor=doc)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+
+
 def accelerate_loop(
     model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
 ) -> None:
@@ -153,10 +165,11 @@ CONTENDERS: dict[str, Runner] = {
     "hand-written": hand,
     "loopkit pieces": loopkit_pieces,
     "loopkit.step": loopkit_step,
+    "loopkit.step + doctor": loopkit_step_doctor,
     "accelerate": accelerate_loop,
     "fabric": fabric_loop,
 }
-LOOPKIT = ("loopkit pieces", "loopkit.step")
+LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor")
 
 
 def available() -> dict[str, str | None]:

@@ -7,6 +7,7 @@ activation checkpointing, DDP and sync-free logging one line at a time.
 from ._accumulate import accumulate
 from ._checkpoint import checkpointed, is_checkpointed
 from ._device import to_device
+from ._doctor import doctor
 from ._memory import track_memory
 from ._metrics import LoggingSink, Sink, TensorBoardSink, detach_logging, print_sink
 from ._precision import Precision, autocast_step
@@ -31,6 +32,7 @@ __all__ = [
     "checkpointed",
     "count_host_syncs",
     "detach_logging",
+    "doctor",
     "is_checkpointed",
     "load_checkpoint",
     "no_sync",

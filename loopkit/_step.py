@@ -31,6 +31,7 @@ from ._accumulate import Weight
 from ._accumulate import accumulate as accumulate_
 from ._core import DeviceLike, resolve_device
 from ._device import _Mover
+from ._doctor import doctor as doctor_
 from ._metrics import detach_logging, print_sink
 from ._precision import PrecisionLike, autocast_step
 from ._sync import unwrap
@@ -46,7 +47,8 @@ class step:
     ``no_sync`` under DDP and exact normalization), ``clip_grad_norm``, ``scheduler``
     (stepped once per real update), ``device`` for ``s.to_device``/``step.iterate`` and
     ``log`` (a ``detach_logging`` or an int: print every that many micro-steps);
-    ``skip_nonfinite``/``max_consecutive_skips`` guard bf16/fp32 updates (see accumulate).
+    ``skip_nonfinite``/``max_consecutive_skips`` guard bf16/fp32 updates (see accumulate);
+    ``doctor=loopkit.doctor()`` times every phase of every step.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class step:
         channels_last: bool = False,
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = None,
+        doctor: doctor_ | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -95,6 +98,13 @@ class step:
             max_consecutive_skips=max_consecutive_skips,
         )
         self._mover = _Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
+        if doctor is not None and not isinstance(doctor, doctor_):
+            raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
+        self.doctor = doctor
+        if doctor is not None:
+            doctor.precision = self.amp.precision
+            doctor.optimizer = optimizer
+            doctor.watch(model)
         self.model = model
         self.optimizer = optimizer
         self._in_autocast = False
@@ -104,6 +114,8 @@ class step:
     # -- the micro-step -----------------------------------------------------------------------
 
     def __enter__(self) -> step:
+        if self.doctor is not None:
+            self.doctor.__enter__()
         self.accumulate.__enter__()
         if self._autocast_on:
             self.amp.__enter__()
@@ -133,20 +145,33 @@ class step:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        doc = self.doctor
         try:
-            if self._in_autocast:
-                self._in_autocast = False
-                self.amp.__exit__(exc_type, exc, tb)
+            try:
+                if self._in_autocast:
+                    self._in_autocast = False
+                    self.amp.__exit__(exc_type, exc, tb)
+            finally:
+                if doc is not None and self.accumulate.ends_window:
+                    with doc.phase("optimizer"):
+                        self.accumulate.__exit__(exc_type, exc, tb)
+                else:
+                    self.accumulate.__exit__(exc_type, exc, tb)
+            log = self.log
+            if log is not None and exc_type is None:
+                if self._loss is not None:
+                    self._extra["loss"] = self._loss
+                    self._loss = None
+                if self._extra:
+                    extra, self._extra = self._extra, {}
+                    if doc is not None:
+                        with doc.phase("logging"):
+                            log.record(extra)
+                    else:
+                        log.record(extra)
         finally:
-            self.accumulate.__exit__(exc_type, exc, tb)
-        log = self.log
-        if log is not None and exc_type is None:
-            if self._loss is not None:
-                self._extra["loss"] = self._loss
-                self._loss = None
-            if self._extra:
-                extra, self._extra = self._extra, {}
-                log.record(extra)
+            if doc is not None:
+                doc.__exit__(exc_type, exc, tb)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -160,7 +185,16 @@ class step:
         Looking one batch ahead also starts the next batch's (non-blocking) copy while the
         current one computes.
         """
-        return self.accumulate.iterate(self._mover(b) for b in iterable)
+        doc = self.doctor
+        if doc is None:
+            return self.accumulate.iterate(self._mover(b) for b in iterable)
+        return self.accumulate.iterate(self._timed_moves(doc, doc.iterate(iterable)))
+
+    def _timed_moves(self, doc: doctor_, batches: Iterable[T]) -> Iterator[T]:
+        for b in batches:
+            with doc.phase("h2d"):
+                moved = self._mover(b)
+            yield moved
 
     def flush(self) -> bool:
         """Close a partial window (after a loop that did not use ``iterate``) and the log."""

@@ -55,9 +55,10 @@ def _is_cpu(x: object) -> bool:
 
 
 class _State:
-    __slots__ = ("depth", "events")
+    __slots__ = ("depth", "events", "ignore")
 
-    def __init__(self) -> None:
+    def __init__(self, ignore: frozenset[int]) -> None:
+        self.ignore = ignore
         self.events: Counter[str] = Counter()
         self.depth = 0  # >0 while inside a counted Python-level read: its inner ops are its own
 
@@ -76,6 +77,12 @@ class _FunctionCounter(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if self.state.ignore and args and id(args[0]) in self.state.ignore:
+            self.state.depth += 1  # its inner aten read is not counted either
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.state.depth -= 1
         counted = self.state.depth == 0 and (
             (name in _PY_READS and not (name == "__format__" and args and args[0].dim() > 0))
             or (name in ("cpu", "to") and _leaves_device_for_host(name, args, kwargs))
@@ -136,12 +143,13 @@ class count_host_syncs:
     """Count host reads of tensor data inside a ``with`` block.
 
     ``with count_host_syncs() as syncs: ...`` then ``syncs.count`` is the number of reads
-    and ``syncs.events`` says which operations made them. Meant for tests and diagnosis:
-    it slows the code it watches.
+    and ``syncs.events`` says which operations made them. ``ignore`` holds ids of tensors
+    whose reads are not counted (host-resident by design, such as an optimizer's step
+    counter). Meant for tests and diagnosis: it slows the code it watches.
     """
 
-    def __init__(self) -> None:
-        self._state = _State()
+    def __init__(self, ignore: frozenset[int] = frozenset()) -> None:
+        self._state = _State(frozenset(ignore))
         self._modes: list[Any] = []
 
     @property

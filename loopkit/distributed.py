@@ -206,8 +206,9 @@ def wrap(
 
 
 def _seed_worker(worker_id: int) -> None:
-    # torch seeds each worker; numpy and random would otherwise repeat the parent's stream
-    # in every worker (the classic duplicated-augmentation bug).
+    # Each worker's torch seed comes from the loader's seeded generator, so it is
+    # reproducible; numpy and random follow it here explicitly (recent torch does the same
+    # inside its worker loop, older releases left them repeating the parent's stream).
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

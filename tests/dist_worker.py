@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers import counted_ddp
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import loopkit
@@ -36,18 +36,6 @@ def mlp(seed: int = 0) -> nn.Module:
 def data(sizes: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)) for n in sizes]
-
-
-def counted(model: nn.Module) -> tuple[DDP, list[int]]:
-    ddp = DDP(model)
-    calls: list[int] = []
-
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        calls.append(bucket.index())
-        return allreduce_hook(state, bucket)
-
-    ddp.register_comm_hook(None, hook)
-    return ddp, calls
 
 
 def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -106,12 +94,12 @@ def unweighted_equivalence(info: distributed.DistInfo) -> dict[str, Any]:
 def all_reduce_counts(info: distributed.DistInfo) -> dict[str, Any]:
     """Comm-hook counts: accumulate's no_sync vs a loop that accumulates without it."""
     batches = data([4] * 8, seed=30 + info.rank)
-    ddp, with_loopkit = counted(mlp())
+    ddp, with_loopkit = counted_ddp(mlp())
     acc = loopkit.accumulate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), every=4)
     for batch in batches:
         with acc:
             acc.backward(loss_of(ddp, batch))
-    plain, without = counted(mlp())
+    plain, without = counted_ddp(mlp())
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     for i, batch in enumerate(batches):
         (loss_of(plain, batch) / 4).backward()

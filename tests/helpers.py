@@ -69,3 +69,29 @@ def assert_bit_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> No
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y), (x - y).abs().max()
+
+
+def launch_env() -> dict[str, str]:
+    """This process's environment without launcher variables, one thread per process."""
+    import os
+
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def counted_ddp(model: nn.Module) -> tuple[nn.parallel.DistributedDataParallel, list[int]]:
+    """Wrap in DDP with the default all-reduce as a comm hook that records each bucket."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    calls: list[int] = []
+
+    # No annotations: DDP compares them with dist.GradBucket, and here they would be strings.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    return ddp, calls

@@ -50,7 +50,14 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
     assert {(r["precision"], r["contender"]) for r in rows} == {
         (p, c)
         for p in ("fp32", "bf16")
-        for c in ("hand-written", "loopkit pieces", "loopkit.step", "accelerate", "fabric")
+        for c in (
+            "hand-written",
+            "loopkit pieces",
+            "loopkit.step",
+            "loopkit.step + doctor",
+            "accelerate",
+            "fabric",
+        )
     }
     for r in rows:
         assert set(r) >= {"model", "precision", "contender", "us_per_step", "ratio"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import mlp
+from helpers import launch_env, mlp
 
 import loopkit
 from loopkit import distributed
@@ -22,19 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env()
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=launch_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -173,7 +162,12 @@ def test_two_nodes_by_c10d_rendezvous_match_single_process(
                "--rdzv-id", "loopkit-test", "examples/train_ddp.py", "--out", str(out)]  # fmt: skip
         agents.append(
             subprocess.Popen(
-                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+                cmd,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=launch_env(),
             )
         )
         time.sleep(1)

@@ -291,6 +291,25 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "map-style dataset",
     ),
     ("wrap not a module", lambda t: distributed.wrap("model"), TypeError, "nn.Module"),
+    # doctor
+    (
+        "doctor unknown phase",
+        lambda t: loopkit.doctor().phase("disk"),
+        ValueError,
+        "use one of data",
+    ),
+    (
+        "doctor bad report_every",
+        lambda t: loopkit.doctor(report_every=-1),
+        ValueError,
+        "int >= 1 or None",
+    ),
+    (
+        "doctor in a step of the wrong type",
+        lambda t: loopkit.step(*_model_opt(), doctor=3),
+        TypeError,
+        "loopkit.doctor()",
+    ),
     # Checkpointer
     (
         "checkpointer keep 0",
@@ -365,6 +384,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "checkpointed": "checkpointed",
         "Checkpointer": "checkpointer",
         "load_checkpoint": "load",
+        "doctor": "doctor",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:

@@ -84,7 +84,7 @@ def test_other_shell_blocks_run(tmp_path: Path) -> None:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         OMP_NUM_THREADS="1",
     )
-    for folder in ("examples", "benchmarks"):
+    for folder in ("examples", "benchmarks", "tests"):
         (tmp_path / folder).symlink_to(ROOT / folder)
     for script in scripts:
         proc = subprocess.run(

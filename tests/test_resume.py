@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_bit_equal, batches, loss_fn, mlp, params
+from helpers import assert_bit_equal, batches, launch_env, loss_fn, mlp, params
 from torch import nn
 
 import loopkit
@@ -26,16 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # enough (tens of ms with fsync) to be caught in the middle.
 EXAMPLE = ["examples/train_resumable.py", "--epochs", "6", "--save-every", "2",
            "--payload-mb", "16"]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _all_checkpoints_readable(directory: Path) -> list[str]:
@@ -49,7 +39,12 @@ def _all_checkpoints_readable(directory: Path) -> list[str]:
 def _start(cmd: list[str]) -> tuple[subprocess.Popen[str], list[str]]:
     """Start a run; its stdout lines are collected by a thread as they come."""
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        cmd,
+        cwd=ROOT,
+        env=launch_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     lines: list[str] = []
 
@@ -77,7 +72,7 @@ def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_
             str(ref),
         ],
         cwd=ROOT,
-        env=_env(),
+        env=launch_env(),
         check=True,
         capture_output=True,
         timeout=300,
@@ -112,7 +107,7 @@ def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_
     proc2 = subprocess.run(
         [*cmd, "--out", str(final)],
         cwd=ROOT,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -352,7 +347,12 @@ def test_ddp_one_writer_all_ranks_resume(tmp_path: Path) -> None:
 
     def run(*args: str) -> None:
         proc = subprocess.run(
-            [*torchrun, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+            [*torchrun, *args],
+            cwd=ROOT,
+            env=launch_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 

@@ -9,10 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batches, loss_fn, mlp, params, twin
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
+from helpers import batches, counted_ddp, loss_fn, mlp, params, twin
 
 import loopkit
 
@@ -27,19 +24,6 @@ def process_group(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _counted_ddp(model: nn.Module) -> tuple[DDP, list[int]]:
-    ddp = DDP(model)
-    calls: list[int] = []
-
-    # No annotations: DDP compares them with dist.GradBucket, and here they would be strings.
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        calls.append(bucket.index())
-        return allreduce_hook(state, bucket)
-
-    ddp.register_comm_hook(None, hook)
-    return ddp, calls
 
 
 def test_plain_module_is_a_no_op() -> None:
@@ -63,7 +47,7 @@ def test_unwraps_torch_compile() -> None:
 
 def test_ddp_forward_and_backward_inside_skip_the_all_reduce(process_group: None) -> None:
     """Forward and backward inside no_sync: zero all-reduces; the next synced step: one."""
-    ddp, calls = _counted_ddp(mlp())
+    ddp, calls = counted_ddp(mlp())
     data = batches([4, 4])
     with loopkit.no_sync(ddp):
         loss_fn(ddp, data[0]).backward()
@@ -74,7 +58,7 @@ def test_ddp_forward_and_backward_inside_skip_the_all_reduce(process_group: None
 
 def test_ddp_forward_outside_still_synchronizes(process_group: None) -> None:
     """The documented rule: a forward outside no_sync makes its backward all-reduce anyway."""
-    ddp, calls = _counted_ddp(mlp())
+    ddp, calls = counted_ddp(mlp())
     loss = loss_fn(ddp, batches([4])[0])
     with loopkit.no_sync(ddp):
         loss.backward()
@@ -83,7 +67,7 @@ def test_ddp_forward_outside_still_synchronizes(process_group: None) -> None:
 
 def test_ddp_restores_the_previous_setting(process_group: None) -> None:
     """Leaving no_sync restores require_backward_grad_sync as it was, not blindly True."""
-    ddp, _ = _counted_ddp(mlp())
+    ddp, _ = counted_ddp(mlp())
     ddp.require_backward_grad_sync = False
     with loopkit.no_sync(ddp):
         assert ddp.require_backward_grad_sync is False
@@ -100,7 +84,7 @@ def test_accumulate_makes_one_all_reduce_per_update(process_group: None) -> None
     """accumulate(every=4) over 8 micro-batches: 2 all-reduces, not 8; same parameters."""
     model = mlp()
     plain = twin(model)
-    ddp, calls = _counted_ddp(model)
+    ddp, calls = counted_ddp(model)
     data = batches([4] * 8)
     acc = loopkit.accumulate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), every=4)
     for batch in data:
@@ -117,7 +101,7 @@ def test_accumulate_makes_one_all_reduce_per_update(process_group: None) -> None
 
 def test_ragged_flush_under_ddp_reduces_by_hand(process_group: None) -> None:
     """A window closed by flush() after a no_sync micro-step still gets one all-reduce."""
-    ddp, calls = _counted_ddp(mlp())
+    ddp, calls = counted_ddp(mlp())
     acc = loopkit.accumulate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), every=4)
     sent: list[int] = []
     real_all_reduce = dist.all_reduce

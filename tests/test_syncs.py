@@ -44,3 +44,12 @@ def test_device_side_work_counts_nothing() -> None:
         _ = y.detach().float().to(torch.bfloat16)
         torch.stack([y.detach(), y.detach()]).mean()
     assert syncs.count == 0, syncs.events
+
+
+def test_ignored_tensors_are_not_counted() -> None:
+    """Reads of tensors passed in ignore= (host-resident by design) do not count."""
+    kept, other = torch.tensor(1.0), torch.tensor(2.0)
+    with loopkit.count_host_syncs(ignore=frozenset({id(kept)})) as syncs:
+        kept.item()
+        other.item()
+    assert syncs.events == {"Tensor.item": 1}

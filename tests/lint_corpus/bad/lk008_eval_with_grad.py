@@ -1,0 +1,29 @@
+# expect: LK008
+"""Validation that switches to eval mode but leaves autograd on."""
+import torch
+from torch import nn
+
+
+def evaluate(model: nn.Module, loader, device) -> float:
+    model.eval()  # <- LK008
+    correct = total = 0
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        outputs = model(images)
+        correct += (outputs.argmax(dim=1) == labels).sum().item()
+        total += labels.numel()
+    model.train()
+    return correct / total
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def predict(self, x):
+        self.eval()  # <- LK008
+        return self(x).argmax(-1)

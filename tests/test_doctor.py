@@ -1,0 +1,218 @@
+"""doctor: phase shares, sync counts and the tip that applies, alone and inside loopkit.step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import requires_cuda
+from helpers import batches, loss_fn, mlp
+from torch import nn
+
+import loopkit
+from loopkit import _doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class SlowData(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Each sample takes 2 ms to 'decode', like images read from a slow disk."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.002)
+        return torch.randn(8), torch.randn(1)
+
+
+def test_data_bound_loop_gets_the_data_tip() -> None:
+    """A loader with no workers that decodes slowly: most time waits for data, and it says so."""
+    loader = torch.utils.data.DataLoader(SlowData(), batch_size=8)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    doc = loopkit.doctor(loader=loader)
+    for x, y in loader:
+        with doc:
+            loss_fn(model, (x, y)).backward()
+            with doc.phase("optimizer"):
+                opt.step()
+                opt.zero_grad()
+    stats = doc.stats()
+    assert stats["steps"] == 8
+    assert stats["share"]["data"] > 0.5
+    tips = doc.tips()
+    assert tips and tips[0].startswith(f"{100 * stats['share']['data']:.0f}% of each step waits")
+    assert "num_workers is 0" in tips[0]
+    report = doc.report()
+    assert "waiting for data" in report and "Tips:" in report
+
+
+def test_item_every_step_is_counted_and_named() -> None:
+    """.item() each step: 1.0 sync per step on the sampled steps, and the detach_logging tip."""
+    model = mlp()
+    doc = loopkit.doctor(sample_syncs_at=(2, 3, 4), sample_syncs_every=None)
+    for batch in batches([4] * 6):
+        with doc:
+            loss = loss_fn(model, batch)
+            loss.backward()
+            loss.item()
+    stats = doc.stats()
+    assert doc.sync_steps == 3 and stats["syncs_per_step"] == 1.0
+    assert stats["sync_ops"] == {"Tensor.item": 3}
+    assert any("detach_logging" in t and "1.0 host-device syncs" in t for t in doc.tips())
+
+
+def test_sync_free_loop_has_no_sync_tip() -> None:
+    """With detach_logging the sampled steps show 0 syncs and no sync tip."""
+    model = mlp()
+    log = loopkit.detach_logging(every=100, sink=None)
+    doc = loopkit.doctor(sample_syncs_at=(2, 3), sample_syncs_every=None)
+    for batch in batches([4] * 5):
+        with doc:
+            loss = loss_fn(model, batch)
+            loss.backward()
+            log(loss=loss)
+    assert doc.stats()["syncs_per_step"] == 0.0
+    assert not any("syncs" in t for t in doc.tips())
+
+
+def test_slow_optimizer_phase_gets_its_tip() -> None:
+    """An optimizer phase that dominates is named first, with the fused-optimizer advice."""
+    doc = loopkit.doctor(sample_syncs_at=())
+    for _ in range(3):
+        with doc:
+            time.sleep(0.001)
+            with doc.phase("optimizer"):
+                time.sleep(0.01)
+    assert doc.stats()["share"]["optimizer"] > 0.7
+    assert "fused" in doc.tips()[0]
+
+
+def test_inside_step_every_phase_is_timed_and_samples_counted() -> None:
+    """loopkit.step(doctor=...) times copies, compute, optimizer and logging; counts samples."""
+    model = mlp()
+    doc = loopkit.doctor(sample_syncs_at=(1,), sample_syncs_every=None)
+    step = loopkit.step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulate=2,
+        log=loopkit.detach_logging(every=100, sink=None),
+        doctor=doc,
+    )
+    data = [{"x": x, "y": y} for x, y in batches([4] * 6)]
+    for batch in step.iterate(data):
+        with step as s:
+            s.backward(loss_fn(model, (batch["x"], batch["y"])))
+    stats = doc.stats()
+    assert stats["steps"] == 6 and doc.samples == 24
+    for phase in ("h2d", "compute", "optimizer", "logging"):
+        assert stats["seconds"][phase] > 0, phase
+    assert stats["syncs_per_step"] == 0.0  # the composed step makes none
+    assert doc.precision == "fp32"
+
+
+def test_off_means_no_doctor_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without doctor= the step never reads the doctor's clock."""
+    calls: list[int] = []
+    real = _doctor.time.perf_counter
+    monkeypatch.setattr(_doctor.time, "perf_counter", lambda: calls.append(1) or real())
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in step.iterate(batches([4] * 3)):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    assert calls == []
+
+
+def test_ddp_all_reduces_are_timed(tmp_path: Path) -> None:
+    """On a DDP model the doctor wraps the default all-reduce with a clock (once)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(mlp())
+        doc = loopkit.doctor(sample_syncs_at=())
+        step = loopkit.step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), doctor=doc)
+        assert doc.watch(ddp) is False  # a second hook is refused, not stacked
+        for batch in batches([4] * 3):
+            with step as s:
+                s.backward(loss_fn(ddp, batch))
+        assert doc.stats()["seconds"]["communication"] > 0
+        assert "communication" in doc.report()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_report_at_exit_and_every(tmp_path: Path) -> None:
+    """report_every prints during the run; report_at_exit prints when the program ends."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import torch, loopkit\n"
+        "doc = loopkit.doctor(report_at_exit=True, report_every=2, sample_syncs_at=())\n"
+        "for _ in range(3):\n"
+        "    with doc:\n"
+        "        torch.ones(4).sum()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("loopkit doctor:") == 2
+    assert "loopkit doctor: 2 steps" in proc.stdout and "loopkit doctor: 3 steps" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "hint"),
+    [
+        (lambda: loopkit.doctor().phase("disk"), ValueError, "use one of data"),
+        (lambda: loopkit.doctor(sample_syncs_at=(0,)), ValueError, "1 is the first step"),
+        (lambda: loopkit.doctor(report_every=0), ValueError, "int >= 1 or None"),
+        (lambda: loopkit.doctor(sink=3), TypeError, "e.g. print"),
+        (lambda: loopkit.doctor().count(samples=-1), ValueError, "int >= 0"),
+    ],
+)
+def test_bad_input(call: Any, exc: type[Exception], hint: str) -> None:
+    """Wrong arguments raise with the fix in the message."""
+    with pytest.raises(exc) as info:
+        call()
+    assert hint in str(info.value)
+
+
+def test_nested_entry_is_refused() -> None:
+    """Entering the doctor twice in one step is a clear error."""
+    doc = loopkit.doctor()
+    with doc, pytest.raises(RuntimeError, match="once per step"):
+        doc.__enter__()
+
+
+@requires_cuda
+def test_cuda_phases_are_timed_by_events() -> None:
+    """On CUDA the phases come from CUDA events, resolved at report time."""
+    doc = loopkit.doctor(device="cuda", sample_syncs_at=(2,))
+    a = torch.randn(1024, 1024, device="cuda")
+    for _ in range(3):
+        with doc:
+            (a @ a).sum()
+            with doc.phase("optimizer"):
+                a.mul_(1.0)
+    stats = doc.stats()
+    assert stats["seconds"]["compute"] > 0 and stats["seconds"]["optimizer"] > 0
+
+
+def test_optimizer_step_counters_are_not_counted_as_syncs() -> None:
+    """AdamW reads its host-side step counter with .item(): inside step() that is no sync."""
+    model = mlp()
+    doc = loopkit.doctor(sample_syncs_at=(2, 3, 4, 5), sample_syncs_every=None)
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters()), doctor=doc)
+    for batch in batches([4] * 6):
+        with step as s:
+            loss = loss_fn(model, batch)
+            s.backward(loss)
+            loss.item()  # the one real sync per step
+    assert doc.stats()["syncs_per_step"] == 1.0
+    assert doc.stats()["sync_ops"] == {"Tensor.item": 4}
