@@ -18,6 +18,7 @@ import datetime
 import functools
 import os
 import random
+import time
 from collections.abc import Callable, Iterator, Sized
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -150,6 +151,13 @@ def teardown() -> None:
     """Leave the process group (after a barrier, so no rank exits while others still talk)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+        if dist.get_backend() == "gloo":
+            # Gloo's worker threads free finished work after the caller has moved on, and
+            # that work may hold Python tensors (all_gather_object's), so freeing needs the
+            # GIL. If a DDP model is then garbage-collected, the group's destructor joins
+            # those threads while holding the GIL: a deadlock at exit (seen under CPU
+            # torchrun). Releasing the GIL briefly lets them finish first.
+            time.sleep(0.2)
         dist.destroy_process_group()
 
 
