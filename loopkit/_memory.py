@@ -14,24 +14,13 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._core import OpCallback, OpObserver
 
-class _Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, owner: track_memory) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.owner = owner
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+def _allocations(owner: track_memory) -> OpCallback:
+    def after(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         # Outputs that share an input's storage (views, in-place ops, detach) are not new
         # memory: a view of a parameter must not be counted as an allocation.
         inputs = {
@@ -43,8 +32,9 @@ class _Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in inputs or storage.nbytes() == 0:
-                    self.owner._add(storage)
-        return out
+                    owner._add(storage)
+
+    return after
 
 
 class track_memory:
@@ -61,7 +51,7 @@ class track_memory:
         self.peak = 0
         """Largest ``live`` seen since the start (or ``reset_peak()``)."""
         self._refs: dict[int, weakref.ref[Any]] = {}
-        self._mode: _Tracker | None = None
+        self._mode: OpObserver | None = None
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -84,7 +74,7 @@ class track_memory:
         self.peak = self.live
 
     def __enter__(self) -> track_memory:
-        self._mode = _Tracker(self)
+        self._mode = OpObserver(after=_allocations(self))
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 

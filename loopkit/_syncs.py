@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._core import OpCallback, OpObserver
 
 # Python-level reads: on the CPU ``tolist``/``numpy`` reach no aten op, so only a
 # function mode sees them.
@@ -109,24 +110,14 @@ def _leaves_device_for_host(name: str, args: tuple[Any, ...], kwargs: dict[str, 
     )
 
 
-class _DispatchCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, state: _State) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.state = state
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if self.state.depth == 0:
+def _aten_read(state: _State) -> OpCallback:
+    def before(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _: Any) -> None:
+        if state.depth == 0:
             name = func.overloadpacket._qualified_op_name.replace("::", ".")
             if name in _ATEN_READS or (name in _COPIES and _copy_to_host(name, args, kwargs)):
-                self.state.events[name] += 1
-        return func(*args, **kwargs)
+                state.events[name] += 1
+
+    return before
 
 
 def _copy_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -163,7 +154,7 @@ class count_host_syncs:
         return dict(self._state.events)
 
     def __enter__(self) -> count_host_syncs:
-        self._modes = [_FunctionCounter(self._state), _DispatchCounter(self._state)]
+        self._modes = [_FunctionCounter(self._state), OpObserver(before=_aten_read(self._state))]
         for mode in self._modes:
             mode.__enter__()
         return self
