@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -89,21 +90,16 @@ def loopkit_pieces(
 
 
 def loopkit_step(
-    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+    model: nn.Module,
+    data: list[Batch],
+    steps: int,
+    prec: str,
+    clip: float | None,
+    with_doctor: bool = False,
 ) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip)
-    for i in range(steps):
-        x, y = data[i % len(data)]
-        with step as s:
-            s.backward(nn.functional.mse_loss(model(x), y))
-
-
-def loopkit_step_doctor(
-    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
-) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    doc = loopkit.doctor()  # its default: host syncs counted on steps 3, 4, 5 and every 500th
+    # The doctor's default: host syncs counted on steps 3, 4, 5 and every 500th.
+    doc = loopkit.doctor() if with_doctor else None
     step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip, doctor=doc)
     for i in range(steps):
         x, y = data[i % len(data)]
@@ -165,7 +161,7 @@ CONTENDERS: dict[str, Runner] = {
     "hand-written": hand,
     "loopkit pieces": loopkit_pieces,
     "loopkit.step": loopkit_step,
-    "loopkit.step + doctor": loopkit_step_doctor,
+    "loopkit.step + doctor": functools.partial(loopkit_step, with_doctor=True),
     "accelerate": accelerate_loop,
     "fabric": fabric_loop,
 }

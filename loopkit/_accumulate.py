@@ -20,7 +20,7 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 from torch import nn
 
-from ._core import ContextDecorator
+from ._core import ContextDecorator, is_int_at_least
 from ._precision import autocast_step
 from ._sync import no_sync, sync_grads_now, sync_kind, unwrap
 
@@ -71,7 +71,7 @@ class accumulate(ContextDecorator):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int_at_least(every, 1):
             raise ValueError(
                 f"every must be an int >= 1 (micro-batches per optimizer update), got {every!r}"
             )
@@ -101,11 +101,7 @@ class accumulate(ContextDecorator):
             )
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
+        if max_consecutive_skips is not None and not is_int_at_least(max_consecutive_skips, 1):
             raise ValueError(
                 "max_consecutive_skips must be an int >= 1 (raise after that many skipped "
                 f"updates in a row) or None, got {max_consecutive_skips!r}"

@@ -25,6 +25,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ._core import is_int_at_least
+
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=nn.Module)
 
@@ -295,7 +297,7 @@ def checkpointed(
     ops to keep. Under ``no_grad``/``inference_mode``, or with nothing requiring grad, the
     code runs plainly; checkpointed code nested inside checkpointed code runs plainly too.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if not is_int_at_least(every, 1):
         raise ValueError(f"every must be an int >= 1 (checkpoint every k-th block), got {every!r}")
     config = _Config(policy, preserve_rng_state)
     if target is None:

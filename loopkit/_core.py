@@ -20,6 +20,11 @@ class ContextDecorator(contextlib.ContextDecorator):
     """
 
 
+def is_int_at_least(value: object, low: int) -> bool:
+    """Whether ``value`` is a real int (not a bool, not a float such as nan) and >= ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def resolve_device(device: DeviceLike) -> torch.device:
     """Parse ``device`` and check this machine can use it; raise ValueError saying why not."""
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._core import is_int_at_least
 from ._syncs import count_host_syncs
 
 T = TypeVar("T")
@@ -111,7 +112,7 @@ class doctor:
         device: str | torch.device | None = None,
     ) -> None:
         sampled = sorted(set(sample_syncs_at))
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sampled):
+        if any(not is_int_at_least(s, 1) for s in sampled):
             raise ValueError(
                 f"sample_syncs_at must hold step numbers >= 1 (1 is the first step), got {sampled}"
             )
@@ -119,9 +120,7 @@ class doctor:
             ("sample_syncs_every", sample_syncs_every),
             ("report_every", report_every),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
+            if value is not None and not is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if not callable(sink):
             raise TypeError(
@@ -222,7 +221,7 @@ class doctor:
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         """Add this step's samples (and tokens) to the throughput."""
         for label, v in (("samples", samples), ("tokens", tokens)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            if v is not None and not is_int_at_least(v, 0):
                 raise ValueError(f"{label} must be an int >= 0, got {v!r}")
         self.samples += samples or 0
         self.tokens += tokens or 0

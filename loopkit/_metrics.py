@@ -13,6 +13,8 @@ from typing import Any, Literal, Protocol, TypeAlias, TypeVar, overload
 
 import torch
 
+from ._core import is_int_at_least
+
 Reduction: TypeAlias = Literal["mean", "sum", "max", "min", "last"]
 _REDUCTIONS: frozenset[str] = frozenset({"mean", "sum", "max", "min", "last"})
 
@@ -104,9 +106,7 @@ class detach_logging:
         reduce: Reduction | Mapping[str, Reduction] = "mean",
         sync_ranks: bool | None = None,
     ) -> None:
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
+        if every is not None and not is_int_at_least(every, 1):
             raise ValueError(
                 f"every must be an int >= 1 (flush every that many calls) or None (flush only "
                 f"on flush()), got {every!r}"

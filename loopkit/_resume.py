@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._accumulate import accumulate
+from ._core import is_int_at_least
 from ._precision import autocast_step
 from ._step import step as Step
 from ._sync import sync_kind, unwrap
@@ -137,7 +138,7 @@ class Checkpointer:
                     f"extra[{name!r}] has no state_dict()/load_state_dict(): wrap it in an "
                     "object that has them"
                 )
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        if not is_int_at_least(keep, 1):
             raise ValueError(f"keep must be an int >= 1 (checkpoints kept on disk), got {keep!r}")
         self.directory = Path(directory)
         self.model = model
@@ -211,7 +212,7 @@ class Checkpointer:
 
     def maybe_save(self, every: int) -> Path | None:
         """Save when the optimizer has made a multiple of ``every`` updates since the last save."""
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int_at_least(every, 1):
             raise ValueError(f"every must be an int >= 1 (updates between saves), got {every!r}")
         acc = self._accumulate()
         if acc is None:

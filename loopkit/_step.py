@@ -29,7 +29,7 @@ from torch import nn
 
 from ._accumulate import Weight
 from ._accumulate import accumulate as accumulate_
-from ._core import DeviceLike, resolve_device
+from ._core import DeviceLike, is_int_at_least, resolve_device
 from ._device import _Mover
 from ._doctor import doctor as doctor_
 from ._metrics import detach_logging, print_sink
@@ -244,7 +244,7 @@ class step:
 def _make_log(log: detach_logging | int | None) -> detach_logging | None:
     if log is None or isinstance(log, detach_logging):
         return log
-    if isinstance(log, bool) or not isinstance(log, int) or log < 1:
+    if not is_int_at_least(log, 1):
         raise ValueError(
             f"log must be a loopkit.detach_logging, an int >= 1 (print every that many "
             f"micro-steps) or None, got {log!r}"

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ._checkpoint import Blocks
+from ._core import is_int_at_least
 from ._sync import sync_kind
 
 P = ParamSpec("P")
@@ -302,7 +303,7 @@ class EpochLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass run ``epoch`` (for a resumed run)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        if not is_int_at_least(epoch, 0):
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self.epoch = epoch
 
@@ -418,7 +419,7 @@ def loader(
 
 
 def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int_at_least(value, 1):
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
