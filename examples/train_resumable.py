@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
                 saved = ckpt.maybe_save(every=args.save_every)
                 if saved is not None:
                     print(f"saved {saved.name}", flush=True)
+        # maybe_save defers a save that falls on an epoch's last window to the start of the
+        # next pass (so it holds what ran after that window); no pass follows the last
+        # epoch, so the final state is saved here.
+        ckpt.save()
         if args.out and distributed.is_rank_zero():
             inner = getattr(model, "module", model)
             torch.save({k: v.detach().clone() for k, v in inner.state_dict().items()}, args.out)

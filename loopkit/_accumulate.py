@@ -11,6 +11,7 @@ bit-identical to the hand-written ``loss / N`` loop when N is a power of two.
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,9 +21,11 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 from torch import nn
 
+from . import _ranks
 from ._core import ContextDecorator, is_int_at_least
-from ._precision import autocast_step
+from ._precision import agree_found_inf, autocast_step
 from ._sync import no_sync, sync_grads_now, sync_kind, unwrap
+from ._syncs import expected_sync
 
 T = TypeVar("T")
 Weight: TypeAlias = "float | int | torch.Tensor"
@@ -31,6 +34,63 @@ Weight: TypeAlias = "float | int | torch.Tensor"
 _BOUND: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[accumulate]] = (
     weakref.WeakKeyDictionary()
 )
+# Accumulates inside a micro-step right now (almost always none or one).
+_INSIDE: weakref.WeakSet[accumulate] = weakref.WeakSet()
+
+
+class _Window:
+    """What one accumulation window has seen; a new window is a new instance."""
+
+    __slots__ = (
+        "last_synced",
+        "loss_finite",
+        "micro",
+        "n_backward",
+        "weight_min",
+        "weight_sum",
+        "weighted",
+    )
+
+    def __init__(self) -> None:
+        self.micro = 0  # micro-steps entered
+        self.n_backward = 0  # of which called backward
+        self.weighted: bool | None = None  # whether its micro-steps pass weight=
+        self.weight_sum: Any = 0  # float or device tensor
+        self.weight_min: torch.Tensor | None = None  # for weights that live on a device
+        self.loss_finite: torch.Tensor | None = None  # device flag, when losses are watched
+        self.last_synced = True  # whether the last backward ran with gradient sync
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler that cannot be stepped once per update with no argument."""
+    if scheduler is None:
+        return
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise TypeError(
+            f"scheduler must have a step() method (a torch.optim.lr_scheduler), got "
+            f"{type(scheduler).__name__}"
+        )
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        params = []  # type: ignore[assignment]
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if required:
+        raise TypeError(
+            f"{type(scheduler).__name__}.step() needs {', '.join(required)}: it cannot be stepped "
+            "after each update. Step it yourself where the value is known (for "
+            "ReduceLROnPlateau, scheduler.step(val_loss) after validation) and do not pass it here"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            "scheduler is bound to a different optimizer than the one accumulate steps: "
+            "build it on this optimizer"
+        )
 
 
 class accumulate(ContextDecorator):
@@ -38,20 +98,25 @@ class accumulate(ContextDecorator):
 
     Build it once before the loop; enter ``with acc:`` around each micro-batch's forward
     and backward and call ``acc.backward(loss)`` (``weight=`` the micro-batch's sample or
-    token count when they differ) inside. Non-final micro-steps run under ``no_sync``.
-    Leaving the final micro-step of a window unscales (fp16), normalizes, clips, steps the
-    optimizer (skipping inf/nan under fp16), steps the scheduler only if the optimizer
-    really stepped, and zeroes the gradients. ``skip_nonfinite=True`` (for bf16/fp32; fp16's
-    scaler always skips) skips any update whose loss or gradient norm is inf/nan, at the
-    cost of one host read per update; ``max_consecutive_skips=K`` raises after K skipped
-    updates in a row. ``acc.flush()`` after the loop (or
-    ``for batch in acc.iterate(loader)``, which knows where the data ends) closes a
-    ragged last window with exact normalization. A micro-step left without backward
-    counts toward ``every`` but contributes nothing.
+    token count when they differ) inside. ``every`` counts micro-batches per update.
+    Opening a window clears the optimizer's gradients (``set_to_none``), so gradients left
+    by code outside the window never reach its update. Non-final micro-steps run under
+    ``no_sync``. Leaving the final micro-step of a window unscales (fp16), normalizes,
+    clips, steps the optimizer (skipping inf/nan under fp16), steps the scheduler only if
+    the optimizer really stepped, and zeroes the gradients; an exception anywhere in that
+    sequence drops the window (gradients and GradScaler bookkeeping) and counts nothing.
+    ``skip_nonfinite=True`` (for bf16/fp32; fp16's scaler always skips) skips any update
+    whose loss or gradient norm is inf/nan on any rank, at the cost of one host read per
+    update; ``max_consecutive_skips=K`` raises after K skipped updates in a row (under fp16,
+    GradScaler's back-off while it calibrates is not counted: a skip counts when a loss was
+    non-finite or the scale is already down to 1). ``acc.flush()`` after the loop (or
+    ``for batch in acc.iterate(loader)``, which knows where the data ends) closes a ragged
+    last window with exact normalization. A micro-step left without backward counts toward
+    ``every`` but contributes nothing.
     """
 
     every: int
-    _micro: int
+    _window: _Window
 
     def __init__(
         self,
@@ -84,16 +149,7 @@ class accumulate(ContextDecorator):
             raise ValueError(
                 f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}"
             )
-        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            raise TypeError(
-                f"scheduler must have a step() method (a torch.optim.lr_scheduler), got "
-                f"{type(scheduler).__name__}"
-            )
-        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise ValueError(
-                "scheduler is bound to a different optimizer than the one accumulate steps: "
-                "build it on this optimizer"
-            )
+        check_scheduler(scheduler, optimizer)
         if amp is not None and not isinstance(amp, autocast_step):
             raise TypeError(
                 f"amp must be a loopkit.autocast_step (it carries the fp16 GradScaler), got "
@@ -115,12 +171,13 @@ class accumulate(ContextDecorator):
             )
         previous = _BOUND.get(optimizer)
         old = previous() if previous is not None else None
-        if old is not None and old._micro > 0:
+        if old is not None and old._window.micro > 0:
             raise RuntimeError(
                 f"this optimizer is already bound to an accumulate that is mid-window "
-                f"({old._micro} of {old.every} micro-steps done); building a new one would drop "
-                "those gradients from the normalization. Build accumulate/loopkit.step once, "
-                "before the loop, and enter it on every iteration (or flush() the old one first)"
+                f"({old._window.micro} of {old.every} micro-steps done); building a new one "
+                "would drop those gradients from the normalization. Build accumulate/"
+                "loopkit.step once, before the loop, and enter it on every iteration (or "
+                "flush() the old one first)"
             )
         self.model = model
         self.optimizer = optimizer
@@ -128,27 +185,25 @@ class accumulate(ContextDecorator):
         self.scheduler = scheduler
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.amp = amp
+        self._fp16 = amp is not None and amp.scaler is not None
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
+        # Losses are checked on the device (no sync) when a decision needs them.
+        self._watch_loss = skip_nonfinite or (self._fp16 and max_consecutive_skips is not None)
         self._consecutive_skips = 0
-        self._loss_finite: torch.Tensor | None = None
         self._kind = sync_kind(model)
+        self._group: Any = getattr(unwrap(model), "process_group", None)
         self._no_sync: no_sync | None = None if self._kind == "none" else no_sync(model)
         self._params = opt_params
         self._n_groups = len(optimizer.param_groups)
-        # Window state.
-        self._micro = 0  # micro-steps entered in the current window
-        self._n_backward = 0  # of which called backward
-        self._weighted: bool | None = None  # whether this window's micro-steps pass weight=
-        self._weight_sum: Any = 0  # float or tensor
-        self._weight_min: torch.Tensor | None = None  # for weights that live on a device
-        self._last_synced = True
+        self._window = _Window()
+        self._ids: tuple[frozenset[int], frozenset[int]] | None = None
         # Micro-step state.
         self._inside = False
         self._did_backward = False
         self._in_no_sync = False
         self._ending = False
-        self._final_marked = False
+        self._final_pending = False  # iterate handed out the last item: its micro-step ends
         self.lookahead = 0
         """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
         # Weighted normalization reference: fixed at the first weighted backward so that
@@ -170,12 +225,12 @@ class accumulate(ContextDecorator):
         """Whether the current (or, outside ``with``, the next) micro-step ends a window."""
         if self._inside:
             return self._ending
-        return self._micro + 1 >= self.every or self._final_marked
+        return self._window.micro + 1 >= self.every or self._final_pending
 
     @property
     def micro_step(self) -> int:
         """Micro-steps entered in the current window (1..every inside ``with``)."""
-        return self._micro
+        return self._window.micro
 
     # -- the micro-step ---------------------------------------------------------------------
 
@@ -185,16 +240,48 @@ class accumulate(ContextDecorator):
                 "accumulate is already inside a micro-step: enter `with acc:` once per "
                 "micro-batch, not nested"
             )
-        ending = self._micro + 1 >= self.every or self._final_marked
+        if _INSIDE:
+            self._refuse_overlap()
+        window = self._window
+        ending = window.micro + 1 >= self.every or self._final_pending
+        if window.micro == 0:
+            # A window opens: gradients left by code outside it (another model's backward
+            # through this one, a forward/backward outside the step) must not join its update.
+            self._clear_grads()
         if not ending and self._no_sync is not None:
             # Entered before the forward: DDP decides at the forward whether to all-reduce.
             self._no_sync.__enter__()
             self._in_no_sync = True
+        self._final_pending = False  # the mark is for this one micro-step only
         self._ending = ending
         self._inside = True
+        _INSIDE.add(self)
         self._did_backward = False
-        self._micro += 1
+        window.micro += 1
         return self
+
+    def _refuse_overlap(self) -> None:
+        # Two micro-steps open at once are fine for two models (a GAN's D and G), not when
+        # one's backward reaches the other's parameters: that optimizer would get gradients
+        # from a window it does not normalize, or lose them at its own boundary.
+        mine = self._param_ids()
+        for other in _INSIDE:
+            theirs = other._param_ids()
+            if mine[0] & theirs[1] or theirs[0] & mine[1]:
+                raise RuntimeError(
+                    "another step/accumulate whose model shares parameters with this one is "
+                    "inside a micro-step: one model with two optimizers in two steps entered "
+                    "together is not supported (one backward would feed both windows). Give "
+                    "both parameter groups to one optimizer (per-group lr and weight decay are "
+                    "kept), or enter the steps one after the other on separate models"
+                )
+
+    def _param_ids(self) -> tuple[frozenset[int], frozenset[int]]:
+        """Ids of the model's parameters and of the optimizer's (computed once)."""
+        if self._ids is None:
+            model_ids = frozenset(id(p) for p in self.model.parameters())
+            self._ids = (model_ids, frozenset(id(p) for p in self._current_params()))
+        return self._ids
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None) -> None:
         """Back-propagate this micro-batch's loss, normalized for the window.
@@ -215,35 +302,40 @@ class accumulate(ContextDecorator):
             )
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        window = self._window
         weighted = weight is not None
-        if self._weighted is not None and weighted != self._weighted:
+        if window.weighted is not None and weighted != window.weighted:
             raise ValueError(
                 "pass weight= on every micro-step of a window or on none: this window "
-                f"started {'with' if self._weighted else 'without'} weights"
+                f"started {'with' if window.weighted else 'without'} weights"
             )
         if weighted:
             w = _checked_weight(weight)
-            if self._w_ref is None:
-                self._w_ref = self._reference_weight(w)
-            scaled = loss * (w / self._w_ref)
+            w_ref = self._w_ref if self._w_ref is not None else self._reference_weight(w)
+            scaled = loss * (w / w_ref)
         else:
             w = 1
             scaled = loss / self.every
-        finite = torch.isfinite(loss.detach()) if self.skip_nonfinite else None
+        finite = torch.isfinite(loss.detach()) if self._watch_loss else None
         if self.amp is not None:
             self.amp.backward(scaled)
         else:
             scaled.backward()
         # State changes only once backward has succeeded.
+        if weighted and self._w_ref is None:
+            self._w_ref = w_ref
         if finite is not None:
-            self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        self._weighted = weighted
-        self._weight_sum = w if self._n_backward == 0 else self._weight_sum + w
+            prior = window.loss_finite
+            window.loss_finite = finite if prior is None else prior & finite
+        window.weighted = weighted
+        window.weight_sum = w if window.n_backward == 0 else window.weight_sum + w
         if isinstance(w, torch.Tensor):
-            self._weight_min = w if self._weight_min is None else torch.minimum(self._weight_min, w)
-        self._n_backward += 1
+            window.weight_min = (
+                w if window.weight_min is None else torch.minimum(window.weight_min, w)
+            )
+        window.n_backward += 1
+        window.last_synced = not self._in_no_sync
         self._did_backward = True
-        self._last_synced = not self._in_no_sync
 
     def __exit__(
         self,
@@ -257,6 +349,7 @@ class accumulate(ContextDecorator):
                 self._no_sync.__exit__(exc_type, exc, tb)
         finally:
             self._inside = False
+            _INSIDE.discard(self)
         if exc_type is None and self._ending:
             self._boundary()
 
@@ -266,16 +359,29 @@ class accumulate(ContextDecorator):
         """Close a partial window now (after the loop); returns whether an update was made."""
         if self._inside:
             raise RuntimeError("flush() inside `with acc:`: call it after the micro-step ends")
-        if self._micro == 0:
+        self._final_pending = False
+        if self._window.micro == 0:
             return False
         return self._boundary()
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the items of ``iterable``, marking the last so its window closes on exit.
 
-        Looks one item ahead; a window never spans two calls (two epochs).
+        Looks one item ahead; a window never spans two calls (two epochs): a window left
+        open when an earlier ``iterate`` was left early (``break``, an exception) is closed
+        as a window of its own (``flush()``) before this one hands out its first item.
         ``acc.lookahead`` is 1 while an item is held back that the loop has not seen.
         """
+        if self._inside:
+            raise RuntimeError(
+                "iterate() inside `with acc:`: loop over acc.iterate(loader) and enter the "
+                "micro-step inside the loop"
+            )
+        return self._iterate(iterable)
+
+    def _iterate(self, iterable: Iterable[T]) -> Iterator[T]:
+        if self._window.micro:
+            self.flush()
         it = iter(iterable)
         try:
             nxt = next(it)
@@ -288,105 +394,185 @@ class accumulate(ContextDecorator):
                     nxt = next(it)
                 except StopIteration:
                     self.lookahead = 0
-                    self._final_marked = True
+                    self._final_pending = True
                     yield cur
                     return
                 self.lookahead = 1
                 yield cur
         finally:
-            self._final_marked = False
+            self._final_pending = False
             self.lookahead = 0
 
     def _boundary(self) -> bool:
-        n = self._n_backward
+        window = self._window
+        if window.n_backward and not window.last_synced and self._kind not in ("none", "ddp"):
+            # Checked before anything changes: the window stays open and its next micro-step
+            # with backward (which syncs, since the window is due) closes it.
+            raise RuntimeError(
+                f"the window ended on a micro-step that ran without gradient sync under "
+                f"{self._kind.upper()}, which cannot reduce its gradients afterwards; the "
+                "window is kept open (nothing was changed) and its next micro-step with "
+                "backward closes it. Use `for batch in acc.iterate(loader)` so the last "
+                "micro-batch of the data syncs"
+            )
         try:
-            if n == 0:
+            if window.n_backward == 0:
+                self._refuse_foreign_gradients()
                 return False
-            if not self._last_synced:
-                self._sync_local_grads()
-            params = self._current_params()
-            factor = self._normalization(n)
-            amp = self.amp
-            if amp is not None and amp.scaler is not None:
-                amp.unscale_(self.optimizer)
-            if factor is not None:
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads:
-                    torch._foreach_mul_(grads, factor)
-            if self.clip_grad_norm is not None:
-                # Returns a device tensor: no host sync (non-finite norms are left to the
-                # fp16 skip or the non-finite guard, not raised).
-                self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            if (
-                self.skip_nonfinite
-                and (amp is None or amp.scaler is None)
-                and not self._finite(params)
-            ):
-                stepped = False
-            elif amp is not None:
-                stepped = amp.step(self.optimizer)
-            else:
-                stepped = _plain_step(self.optimizer)
-            if stepped:
-                self.updates += 1
-                self._consecutive_skips = 0
-                if self.scheduler is not None:
-                    self.scheduler.step()
-            else:
-                self.skipped += 1
-                self._consecutive_skips += 1
-                limit = self.max_consecutive_skips
-                if limit is not None and self._consecutive_skips >= limit:
-                    raise RuntimeError(
-                        f"{self._consecutive_skips} updates in a row were skipped for a "
-                        "non-finite loss or gradient: training has diverged. Lower the learning "
-                        "rate, check the data, or resume from an earlier checkpoint"
-                    )
-            return stepped
+            return self._update(window)
+        except BaseException:
+            # The window is dropped as if it had never happened: no unscale recorded, no
+            # inf flag, no scale update (its gradients go with the zero_grad below).
+            if self.amp is not None:
+                self.amp.discard(self.optimizer)
+            raise
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-            self._reset_window()
+            self._window = _Window()
 
-    def _finite(self, params: list[torch.Tensor]) -> bool:
+    def _update(self, window: _Window) -> bool:
+        """The update, in order: sync, unscale, normalize, clip, guard, step, count, schedule."""
+        # 1. Gradients still local (the last backward ran under no_sync): all-reduce them.
+        if not window.last_synced and self._kind == "ddp":
+            sync_grads_now(self.model)
+        params = self._current_params()
+        # 2. The factor that turns the summed micro-step gradients into the window's mean
+        #    (validates device weights first: nothing below runs on a bad weight).
+        factor = self._normalization(window)
+        # 3. fp16: unscale, so that clipping and the guard see true gradients.
+        amp = self.amp
+        if self._fp16:
+            assert amp is not None
+            amp.unscale_(self.optimizer)
+        # 4. Normalize once, for the whole window.
+        if factor is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                if isinstance(factor, torch.Tensor):
+                    factor = factor.to(grads[0].device)
+                torch._foreach_mul_(grads, factor)
+        # 5. Clip. Returns a device tensor: no host sync (non-finite norms are left to the
+        #    fp16 skip or the non-finite guard, not raised).
+        if self.clip_grad_norm is not None:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        # 6. Guard and step: fp16 skips on inf/nan by itself, the guard does for bf16/fp32.
+        if self._fp16:
+            assert amp is not None and amp.scaler is not None
+            if self._kind == "fsdp1":
+                # Each rank holds a shard: its inf flag covers only that shard. (FSDP2's
+                # DTensor gradients need nothing: DTensor's unscale already takes the max
+                # of the flag over the mesh.)
+                agree_found_inf(amp.scaler, self.optimizer, self._group)
+            stepped = amp.step(self.optimizer)
+        elif self.skip_nonfinite and not self._finite(params, window):
+            stepped = False
+        else:
+            self.optimizer.step()
+            stepped = True
+        # 7. Count, and step the scheduler only for a real update.
+        if stepped:
+            self.updates += 1
+            self._consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.skipped += 1
+            if self._skip_counts(window):
+                self._consecutive_skips += 1
+            limit = self.max_consecutive_skips
+            if limit is not None and self._consecutive_skips >= limit:
+                raise RuntimeError(
+                    f"{self._consecutive_skips} updates in a row were skipped for a "
+                    "non-finite loss or gradient: training has diverged. Lower the learning "
+                    "rate, check the data, or resume from an earlier checkpoint"
+                )
+        return stepped
+
+    def _refuse_foreign_gradients(self) -> None:
+        # The window was opened with cleared gradients and made no backward of its own: any
+        # gradient now on its parameters came from another step's backward.
+        if any(p.grad is not None for p in self._current_params()):
+            raise RuntimeError(
+                "this window made no backward of its own (acc.backward / step.backward), yet "
+                "its optimizer's parameters received gradients: from another step's backward "
+                "through the same model, or a loss.backward() called directly. One model with "
+                "two optimizers in two steps is not supported: give both parameter groups to "
+                "one optimizer (per-group lr and weight decay are kept). The window was dropped"
+            )
+
+    def _finite(self, params: list[torch.Tensor], window: _Window) -> bool:
         norm = self.grad_norm if self.clip_grad_norm is not None else None
         if norm is None:
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         ok = torch.isfinite(norm)
-        if self._loss_finite is not None:
-            ok = ok & self._loss_finite.to(ok.device)
+        if window.loss_finite is not None:
+            ok = ok & window.loss_finite.to(ok.device)
+        # Every rank must take the same decision: a non-finite loss on one rank skips the
+        # update everywhere (the norm is the same on every rank, its loss is not).
+        ok = ~_ranks.any_(~ok, self._group) if self._kind != "none" else ok
         # Host-device sync, once per update and only with skip_nonfinite: whether to step
         # is a host decision, and no weight may see a non-finite update.
-        return bool(ok.item())
+        with expected_sync("skip_nonfinite's check"):
+            return bool(ok.item())
 
-    def _normalization(self, n: int) -> Any:
-        if not self._weighted:
+    def _skip_counts(self, window: _Window) -> bool:
+        """Whether a skipped update counts toward ``max_consecutive_skips``."""
+        if not self._fp16 or self.max_consecutive_skips is None:
+            return True
+        # GradScaler halves its scale on overflow until the scaled gradients fit: such
+        # skips are calibration, not divergence. A skip counts when a loss was non-finite
+        # (on any rank), or when the scale has no room left to back off.
+        assert self.amp is not None and self.amp.scaler is not None
+        bad = window.loss_finite is not None and window.loss_finite.logical_not()
+        with expected_sync("max_consecutive_skips' check"):
+            if isinstance(bad, torch.Tensor):
+                if self._kind != "none":
+                    bad = _ranks.any_(bad, self._group)
+                # Host-device sync, only on a skipped fp16 update with a skip limit.
+                if bool(bad.item()):
+                    return True
+            # Host-device sync (the scale), same condition.
+            return self.amp.scaler.get_scale() <= 1.0
+
+    def _normalization(self, window: _Window) -> Any:
+        n = window.n_backward
+        if not window.weighted:
             # Each backward used loss / every; the window had n of them.
             return None if n == self.every else self.every / n
-        total = self._weight_sum
-        if self._weight_min is not None:
+        total = window.weight_sum
+        # Host weights were checked at backward; device weights are checked here, once.
+        on_device = window.weight_min is not None
+        bad: Any = False
+        if window.weight_min is not None:
+            low = window.weight_min
+            bad = ~(torch.isfinite(low) & (low > 0))
+        if self._kind != "none":
+            # Gradients were averaged over ranks: the true denominator is the sum of weights
+            # over ranks. A bad weight on any rank travels in the same collective, so every
+            # rank raises together.
+            summed = self._sum_over_ranks(total, bad)
+            total, bad = summed[0], summed[1] > 0
+            factor = _ranks.world(self._group)[1] * self._w_ref / total
+        else:
+            factor = self._w_ref / total
+        if on_device:
             # Host-device sync, once per window and only for weights kept on a device:
             # a non-positive or non-finite weight must not reach the parameters.
-            low = self._weight_min.item()
-            if not (math.isfinite(low) and low > 0):
+            with expected_sync("the weights' check"):
+                refuse = bool(bad.item())
+            if refuse:
                 raise ValueError(
-                    f"a weight of this window was {low}: weights must be positive and finite "
-                    "(the update was not made and the window's gradients were dropped)"
+                    "a weight of this window was not positive and finite: weights must be "
+                    "positive and finite (the update was not made and the window's gradients "
+                    "were dropped)"
                 )
-        if self._kind == "ddp":
-            # DDP averaged over ranks: sum of weights over ranks is the true denominator.
-            total, world = self._all_reduce_sum(total)
-            return world * self._w_ref / total
-        return self._w_ref / total
+        return factor
 
-    def _reset_window(self) -> None:
-        self._micro = 0
-        self._n_backward = 0
-        self._weighted = None
-        self._weight_sum = 0
-        self._weight_min = None
-        self._loss_finite = None
-        self._last_synced = True
+    def _clear_grads(self) -> None:
+        for p in self._current_params():
+            if p.grad is not None:
+                p.grad = None
 
     def _current_params(self) -> list[torch.Tensor]:
         if len(self.optimizer.param_groups) != self._n_groups:
@@ -394,41 +580,29 @@ class accumulate(ContextDecorator):
             self._n_groups = len(self.optimizer.param_groups)
         return self._params
 
-    def _sync_local_grads(self) -> None:
-        if self._kind == "ddp":
-            sync_grads_now(self.model)
-        elif self._kind != "none":
-            raise RuntimeError(
-                f"the window ended on a micro-step that ran without gradient sync under "
-                f"{self._kind.upper()}, which cannot reduce its gradients afterwards: use "
-                "`for batch in acc.iterate(loader)` so the last micro-batch syncs"
-            )
-
     def _reference_weight(self, w: Any) -> Any:
         ref = w * self.every
-        if self._kind == "ddp":
-            total, world = self._all_reduce_sum(ref)
-            ref = total / world
+        if self._kind != "none":
+            # The same reference on every rank, so every rank's loss is scaled alike.
+            summed = self._sum_over_ranks(ref, 0.0)
+            ref = summed[0] / _ranks.world(self._group)[1]
         return ref
 
-    def _all_reduce_sum(self, value: Any) -> tuple[torch.Tensor, int]:
-        import torch.distributed as dist
-
-        ddp: Any = unwrap(self.model)
-        group = getattr(ddp, "process_group", None)
-        device = next(ddp.parameters()).device
-        t = torch.as_tensor(value, dtype=torch.float64).to(device).reshape(1).clone()
-        dist.all_reduce(t, group=group)
-        return t[0], dist.get_world_size(group)
+    def _sum_over_ranks(self, *values: Any) -> torch.Tensor:
+        device = _ranks.comm_device(self._group)
+        t = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values]
+        )
+        return _ranks.sum_(t, self._group)
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Counters for a resumed loop; refused mid-window (the gradients are not in it)."""
-        if self._micro:
+        if self._window.micro:
             raise RuntimeError(
-                f"accumulate is mid-window ({self._micro} of {self.every} micro-steps): save "
-                "at a window boundary (when acc.micro_step == 0)"
+                f"accumulate is mid-window ({self._window.micro} of {self.every} micro-steps): "
+                "save at a window boundary (when acc.micro_step == 0)"
             )
         w_ref = self._w_ref
         if isinstance(w_ref, torch.Tensor):
@@ -456,13 +630,8 @@ class accumulate(ContextDecorator):
     def __repr__(self) -> str:
         return (
             f"accumulate(every={self.every}, updates={self.updates}, skipped={self.skipped}, "
-            f"micro_step={self._micro})"
+            f"micro_step={self._window.micro})"
         )
-
-
-def _plain_step(optimizer: torch.optim.Optimizer) -> bool:
-    optimizer.step()
-    return True
 
 
 def _checked_weight(weight: object) -> Any:

@@ -25,19 +25,24 @@ def is_int_at_least(value: object, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def resolve_device(device: DeviceLike) -> torch.device:
-    """Parse ``device`` and check this machine can use it; raise ValueError saying why not."""
+def parse_device(device: object) -> torch.device:
+    """Parse ``device`` (no check that this machine has it); raise saying what to pass."""
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(
             f"device must be a str, int or torch.device, got {type(device).__name__}: "
             "pass e.g. 'cpu', 'cuda', 'cuda:1' or torch.device('cuda', 0)"
         )
     try:
-        dev = torch.device(device)
+        return torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(
             f"{device!r} is not a device: pass e.g. 'cpu', 'cuda', 'cuda:1' ({err})"
         ) from None
+
+
+def resolve_device(device: DeviceLike) -> torch.device:
+    """Parse ``device`` and check this machine can use it; raise ValueError saying why not."""
+    dev = parse_device(device)
     if dev.type == "cpu" or dev.type == "meta":
         return dev
     module = getattr(torch, dev.type, None)

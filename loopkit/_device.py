@@ -9,10 +9,18 @@ conversion. The traversal here is small, so loopkit owns it.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    Callable,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    MutableSet,
+    Sequence,
+)
 from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
@@ -129,9 +137,10 @@ class _Mover:
         if isinstance(obj, Mapping):
             items = {k: self(v) for k, v in obj.items()}
             if isinstance(obj, MutableMapping):
-                # copy.copy keeps what the type carries besides its items
-                # (defaultdict's factory, a UserDict subclass's attributes).
-                new = copy.copy(obj)
+                # A copy keeps what the type carries besides its items (defaultdict's
+                # factory, a UserDict subclass's attributes); the user's mapping is never
+                # written to.
+                new = _unshared_copy(obj)
                 for k, v in items.items():
                     new[k] = v
                 return new
@@ -144,6 +153,27 @@ class _Mover:
         if isinstance(obj, list):
             moved_list = [self(v) for v in obj]
             return moved_list if type(obj) is list else type(obj)(moved_list)
+        if isinstance(obj, (set, frozenset, MutableSet)):
+            # Tensors hash by identity, so the moved ones make a set of the same size.
+            moved_set = [self(v) for v in obj]
+            if type(obj) is set:
+                return set(moved_set)
+            if isinstance(obj, frozenset):
+                return frozenset(moved_set) if type(obj) is frozenset else type(obj)(moved_set)
+            new_set = _unshared_copy(obj)
+            new_set.clear()
+            for v in moved_set:
+                new_set.add(v)
+            return new_set
+        if isinstance(obj, MutableSequence) and not isinstance(obj, bytearray):
+            # deque (its maxlen kept by the copy), UserList and other mutable sequences.
+            moved_seq = [self(v) for v in obj]
+            if type(obj) is collections.deque:
+                return collections.deque(moved_seq, maxlen=obj.maxlen)
+            new_seq = _unshared_copy(obj)
+            new_seq.clear()
+            new_seq.extend(moved_seq)
+            return new_seq
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             new_obj = copy.copy(obj)
             for f in dataclasses.fields(obj):
@@ -151,6 +181,42 @@ class _Mover:
                 object.__setattr__(new_obj, f.name, self(getattr(obj, f.name)))
             return new_obj
         return obj
+
+
+# Where a container type keeps its items when they are not the object itself (dict, list,
+# set and deque are among these).
+_STORAGE = (MutableMapping, MutableSequence, MutableSet)
+
+
+def _unshared_copy(obj: T) -> T:
+    """A shallow copy of ``obj`` whose item storage is its own: writing to it leaves ``obj`` alone.
+
+    ``copy.copy`` of a container that keeps its items in an attribute (``self._data =
+    {}``) shares that attribute with the original; any such mutable container attribute
+    is copied too, one level down.
+    """
+    try:
+        new = copy.copy(obj)
+    except Exception as err:
+        raise TypeError(
+            f"to_device cannot copy a {type(obj).__name__} to hold the moved tensors ({err}); "
+            "pass a dict, list or tuple instead, or give the type a working __copy__"
+        ) from err
+    if isinstance(obj, (dict, list, set, collections.deque)):
+        return new  # the items live in the object itself, which the copy does not share
+    state = getattr(new, "__dict__", None)
+    original = getattr(obj, "__dict__", None)
+    if state is not None and original is not None and state is not original:
+        for name, value in list(state.items()):
+            if isinstance(value, _STORAGE) and original.get(name) is value:
+                state[name] = copy.copy(value)
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            value = getattr(new, name, None)
+            if isinstance(value, _STORAGE) and getattr(obj, name, None) is value:
+                object.__setattr__(new, name, copy.copy(value))
+    return new
 
 
 @overload
@@ -186,8 +252,9 @@ def to_device(
 ) -> Any:
     """Move every tensor in ``obj`` to ``device``; ``@to_device(device)`` moves a function's args.
 
-    Containers (dict and other mappings, list, tuple, namedtuple, dataclass) keep their
-    types; non-tensors are returned as they are. ``non_blocking=None`` copies
+    Containers (dict and other mappings, list, tuple, namedtuple, deque, set, frozenset,
+    dataclass) keep their types and are copied, never changed in place; non-tensors are
+    returned as they are. ``non_blocking=None`` copies
     asynchronously exactly when it is safe and useful: a pinned CPU tensor going to an
     accelerator. ``uint8_to=dtype`` converts uint8 tensors to that floating dtype on the
     device, scaled to 0..1 (send images as uint8: 4x fewer bytes), and

@@ -1,10 +1,11 @@
 """doctor: where each step's time goes, how often it stalls the host, and which tip applies.
 
-Per step it times the wait for the next batch (the gap between two steps), the
-host-to-device copy, forward+backward, the optimizer step, logging and communication,
-and it counts host-device syncs on a few sampled steps (counting every op would slow the
-loop it measures). On CUDA the phases are timed with CUDA events, resolved only when a
-report is made, so the doctor adds no sync of its own.
+Per step it times the wait for the loader's next batch (inside ``next()``, when it iterates
+the loader), the time spent outside the step otherwise (the user's code between two
+steps), the host-to-device copy, forward+backward, the optimizer step, logging and
+communication, and it counts host-device syncs on a few sampled steps (counting every op
+would slow the loop it measures). On CUDA the phases are timed with CUDA events, resolved
+only when a report is made, so the doctor adds no sync of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import atexit
 import os
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
@@ -20,14 +20,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._core import is_int_at_least
-from ._syncs import count_host_syncs
+from ._core import is_int_at_least, parse_device
+from ._syncs import _CudaSyncCounter, count_host_syncs
 
 T = TypeVar("T")
 
-PHASES = ("data", "h2d", "compute", "optimizer", "logging", "communication")
+PHASES = ("data", "between", "h2d", "compute", "optimizer", "logging", "communication")
 _LABELS = {
     "data": "waiting for data",
+    "between": "outside the step",
     "h2d": "host-to-device copy",
     "compute": "forward + backward",
     "optimizer": "optimizer step",
@@ -72,6 +73,20 @@ _BF16_TIP = (
     "the step is compute-bound in fp32: try precision='bf16' (loopkit.autocast_step), about "
     "2x faster on GPUs and AMX CPUs"
 )
+_FP16_CPU_TIP = (
+    "precision is fp16 on a CPU: CPUs have no fast fp16 kernels, so fp16 autocast runs far "
+    "slower than fp32 there (over 100x measured on a 2-core Xeon); use precision='bf16' "
+    "(fast on CPUs with AVX512-BF16 or AMX, and it needs no loss scaling) or 'fp32'"
+)
+_BETWEEN_TIP = (
+    "is spent outside the step, in your code between two steps (prints, evaluation, "
+    "checkpoints, another model's step): do that work every N steps instead of every step, "
+    "or give another model's step its own doctor"
+)
+_BETWEEN_UNTIMED_DATA = (
+    "; the loader's next() is in there too, untimed: iterate with doc.iterate(loader) (or "
+    "loopkit.step(...).iterate(loader)) to time the data wait on its own"
+)
 
 
 class _Phase:
@@ -92,12 +107,13 @@ class _Phase:
 class doctor:
     """Measure a training loop and say, in plain words, what slows it.
 
-    Alone: ``with doc:`` around each step's body (the time between two steps counts as
-    waiting for data), ``with doc.phase("h2d")``/``("optimizer")`` around those parts,
-    ``doc.count(samples=..., tokens=...)`` for throughput, or ``for batch in
-    doc.iterate(loader)`` which also counts samples. In ``loopkit.step(..., doctor=doc)``
-    every phase is timed for you. ``doc.report()`` returns the report; with
-    ``report_at_exit=True`` it is printed when the program ends.
+    Alone: ``with doc:`` around each step's body, ``with doc.phase("h2d")``/``("optimizer")``
+    around those parts, ``doc.count(samples=..., tokens=...)`` for throughput, and ``for
+    batch in doc.iterate(loader)``, which times the loader's ``next()`` (the data wait) and
+    counts samples. Time between two steps spent elsewhere is "outside the step" (the
+    user's code between steps); without ``doc.iterate`` the data wait is part of it too. In
+    ``loopkit.step(..., doctor=doc)`` every phase is timed for you. ``doc.report()``
+    returns the report; with ``report_at_exit=True`` it is printed when the program ends.
     """
 
     def __init__(
@@ -109,7 +125,7 @@ class doctor:
         report_every: int | None = None,
         sink: Callable[[str], object] = print,
         report_at_exit: bool = False,
-        device: str | torch.device | None = None,
+        device: str | int | torch.device | None = None,
     ) -> None:
         sampled = sorted(set(sample_syncs_at))
         if any(not is_int_at_least(s, 1) for s in sampled):
@@ -131,30 +147,53 @@ class doctor:
         self.report_every = report_every
         self._sampled = frozenset(sampled)
         self._sample_every = sample_syncs_every
-        dev = torch.device(device) if device is not None else None
-        self._cuda = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
+        self._device: torch.device | None = None
+        self._cuda = False
+        self._inside = False
+        self.device = device
         self.steps = 0
         """Steps measured so far."""
         self.samples = 0
         self.tokens = 0
         self.precision: str | None = None
+        """Set by loopkit.step: "fp16" on a CPU gets the bf16 tip."""
         self.optimizer: torch.optim.Optimizer | None = None
         """Set by loopkit.step: its host-side step counters are not counted as syncs."""
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         """Wall seconds per phase over all steps (CUDA phases once resolved by report())."""
         self.syncs: Counter[str] = Counter()
+        """The user's host-device syncs on the sampled steps, by operation."""
+        self.expected_syncs: Counter[str] = Counter()
+        """loopkit's own necessary syncs on the sampled steps, by reason (no tip for them)."""
         self.sync_steps = 0
-        self._inside = False
         self._current = ""
         self._mark = 0.0
         self._last_exit: float | None = None
-        self._outside = 0.0  # phase time between steps, taken out of the data wait
-        self._counter: count_host_syncs | None = None
-        self._cuda_catch: Any = None
+        self._outside = 0.0  # phase time since the last step (the data wait among it)
+        self._iterated = False  # whether doc.iterate has timed the loader's next()
+        self._counter: count_host_syncs | _CudaSyncCounter | None = None
         self._events: list[tuple[str, Any, Any]] = []
-        self._first = 0.0
+        self._first: float | None = None
         if report_at_exit:
             atexit.register(self._report_at_exit)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The training device: as given (loopkit.step sets it), else the optimizer's."""
+        if self._device is not None:
+            return self._device
+        for group in self.optimizer.param_groups if self.optimizer is not None else ():
+            for p in group["params"]:
+                return p.device  # type: ignore[no-any-return]
+        return None
+
+    @device.setter
+    def device(self, device: str | int | torch.device | None) -> None:
+        if self._inside:
+            raise RuntimeError("the doctor's device can change between steps, not inside one")
+        dev = None if device is None else parse_device(device)
+        self._device = dev
+        self._cuda = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
 
     # -- steps and phases ---------------------------------------------------------------------
 
@@ -163,8 +202,10 @@ class doctor:
             raise RuntimeError("doctor is already inside a step: enter it once per step")
         now = time.perf_counter()
         if self._last_exit is not None:
-            self.seconds["data"] += max(0.0, now - self._last_exit - self._outside)
-        else:
+            # What no phase claimed since the last step (the data wait is claimed by
+            # doc.iterate) was the user's code between the steps.
+            self.seconds["between"] += max(0.0, now - self._last_exit - self._outside)
+        if self._first is None:
             self._first = now
         self._outside = 0.0
         self._inside = True
@@ -201,7 +242,7 @@ class doctor:
     def _switch(self, name: str) -> str:
         now = time.perf_counter()
         previous = self._current
-        if previous:
+        if previous and self._first is not None:  # measured from the first step on
             spent = now - self._mark
             if not (self._cuda and self._inside):  # in-step CUDA phases are timed by events
                 self.seconds[previous] += spent
@@ -227,10 +268,26 @@ class doctor:
         self.tokens += tokens or 0
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
-        """Yield the batches, counting their samples (the first tensor's first dimension)."""
+        """Yield the batches, timing each ``next()`` as the data wait and counting samples.
+
+        Samples are the first tensor's first dimension. Only the time inside the loader's
+        ``next()`` is a data wait; the rest of the time between two steps is "outside the
+        step".
+        """
         if self.loader is None:
             self.loader = iterable
-        for batch in iterable:
+        return self._iterate(iter(iterable))
+
+    def _iterate(self, it: Iterator[T]) -> Iterator[T]:
+        self._iterated = True
+        while True:
+            previous = self._switch("data")
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            finally:
+                self._switch(previous)
             self.samples += _batch_size(batch)
             yield batch
 
@@ -267,15 +324,14 @@ class doctor:
     # -- host syncs ---------------------------------------------------------------------------
 
     def _start_sync_count(self) -> None:
+        counter: count_host_syncs | _CudaSyncCounter
         if self._cuda:
             # The driver-level view: every synchronizing CUDA call warns.
-            self._cuda_catch = warnings.catch_warnings(record=True)
-            self._cuda_records = self._cuda_catch.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            counter = _CudaSyncCounter()
         else:
-            self._counter = count_host_syncs(ignore=self._host_resident())
-            self._counter.__enter__()
+            counter = count_host_syncs(ignore=self._host_resident())
+        counter.__enter__()
+        self._counter = counter
 
     def _host_resident(self) -> frozenset[int]:
         # Optimizers keep their step counters on the host even in a GPU run (unless
@@ -291,19 +347,11 @@ class doctor:
         )
 
     def _stop_sync_count(self) -> None:
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
-            self.syncs.update(self._counter.events)
-            self._counter = None
-            self.sync_steps += 1
-        elif self._cuda_catch is not None:
-            torch.cuda.set_sync_debug_mode("default")
-            records = self._cuda_records
-            self._cuda_catch.__exit__(None, None, None)
-            self._cuda_catch = None
-            for w in records:
-                if "synchroniz" in str(w.message):
-                    self.syncs[str(w.message).split("\n")[0][:60]] += 1
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            self.syncs.update(counter.user_events)
+            self.expected_syncs.update(counter.expected)
             self.sync_steps += 1
 
     # -- the report ---------------------------------------------------------------------------
@@ -318,7 +366,11 @@ class doctor:
             self._events = [e for e in self._events if e[2] is None]
         # Communication overlaps backward: it is reported beside the phases, not within them.
         total = sum(v for k, v in self.seconds.items() if k != "communication")
-        wall = (self._last_exit - self._first) if self._last_exit is not None else 0.0
+        wall = (
+            self._last_exit - self._first
+            if self._last_exit is not None and self._first is not None
+            else 0.0
+        )
         return {
             "steps": self.steps,
             "seconds": dict(self.seconds),
@@ -329,6 +381,9 @@ class doctor:
                 sum(self.syncs.values()) / self.sync_steps if self.sync_steps else None
             ),
             "sync_ops": dict(self.syncs),
+            "expected_syncs_per_step": {
+                reason: n / self.sync_steps for reason, n in self.expected_syncs.items()
+            },
         }
 
     def report(self) -> str:
@@ -344,7 +399,7 @@ class doctor:
             head += f", {s['tokens_per_s']:,.0f} tokens/s"
         lines = [head]
         for name in PHASES:
-            if s["seconds"][name] or name in ("data", "compute"):
+            if s["seconds"][name] or name == "compute" or (name == "data" and self._iterated):
                 lines.append(
                     f"  {_LABELS[name]:<22} {100 * s['share'][name]:5.1f}%  "
                     f"{1e3 * s['seconds'][name] / s['steps']:8.3f} ms/step"
@@ -355,6 +410,12 @@ class doctor:
                 f"  host-device syncs      {s['syncs_per_step']:.1f} per step "
                 f"(sampled on {self.sync_steps} steps){': ' + ops if ops else ''}"
             )
+        if s["expected_syncs_per_step"]:
+            needed = "; ".join(
+                f"{n:.1f} per step needed by {reason}"
+                for reason, n in sorted(s["expected_syncs_per_step"].items(), key=lambda x: -x[1])
+            )
+            lines.append(f"  loopkit's own syncs    {needed}")
         tips = self.tips(s)
         lines.append("Tips:" if tips else "Nothing stands out: no tip applies.")
         lines += [f"  - {t}" for t in tips]
@@ -365,8 +426,16 @@ class doctor:
         s = s or self.stats()
         share = s["share"]
         found: list[tuple[float, str]] = []
+        if self.precision == "fp16" and (dev := self.device) is not None and dev.type == "cpu":
+            # A configuration that costs more than anything measured here: first.
+            found.append((2.0, _FP16_CPU_TIP))
         if share["data"] > 0.2:
             found.append((share["data"], self._data_tip(share["data"])))
+        if share["between"] > 0.2:
+            text = f"{100 * share['between']:.0f}% of each step {_BETWEEN_TIP}"
+            if not self._iterated:
+                text += _BETWEEN_UNTIMED_DATA
+            found.append((share["between"], text))
         for phase, threshold, text in _PHASE_TIPS:
             if share[phase] > threshold:
                 found.append((share[phase], f"{100 * share[phase]:.0f}% of each step {text}"))

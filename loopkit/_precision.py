@@ -9,7 +9,9 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 
+from . import _ranks
 from ._core import ContextDecorator, DeviceLike, default_device
+from ._syncs import expected_sync
 
 Precision: TypeAlias = Literal["bf16", "fp16", "fp32"]
 PrecisionLike: TypeAlias = "Precision | str | torch.dtype"
@@ -62,6 +64,23 @@ def _resolve_device_type(device_type: DeviceLike | None) -> str:
     )
 
 
+_warned_fp16_on_cpu = False
+
+
+def _warn_fp16_on_cpu() -> None:
+    global _warned_fp16_on_cpu
+    if _warned_fp16_on_cpu:
+        return
+    _warned_fp16_on_cpu = True
+    warnings.warn(
+        "fp16 autocast on a CPU: CPUs have no fast fp16 matmul, so this typically runs many "
+        "times slower than fp32 (and needs loss scaling). Use precision='bf16' on CPUs "
+        "(about 2x faster than fp32 where the CPU has AMX or AVX512-BF16), or 'fp32'",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """The inf/nan flag that ``scaler.unscale_(optimizer)`` recorded, as a device tensor.
 
@@ -81,6 +100,19 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
     for v in values[1:]:
         total = total + v.to(total.device)
     return total  # type: ignore[no-any-return]
+
+
+def agree_found_inf(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, group: Any
+) -> None:
+    """Make the optimizer's recorded inf/nan flag the OR over all ranks, in place (no sync).
+
+    Needed where each rank unscaled only its shard of the gradients (FSDP): the skip
+    decision, and the scale update, must then be the same everywhere.
+    """
+    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    for flag in flags.values():
+        flag.copy_(_ranks.any_(flag > 0, group).to(flag.dtype))
 
 
 class autocast_step(ContextDecorator):
@@ -111,6 +143,8 @@ class autocast_step(ContextDecorator):
         self.scaler: torch.amp.GradScaler | None = None
         if self.precision == "fp16":
             self.scaler = self._make_scaler(scaler)
+            if self.device_type == "cpu":
+                _warn_fp16_on_cpu()
         elif scaler is not None:
             raise ValueError(
                 f"a GradScaler only applies to fp16; precision {self.precision!r} needs none: "
@@ -197,14 +231,40 @@ class autocast_step(ContextDecorator):
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: scaled for fp16, unchanged otherwise."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"loss must be a tensor (the loss function's output), got {type(loss).__name__}"
+            )
         if self.scaler is None:
             return loss
+        if self._unscaled:
+            # Gradients were unscaled but never stepped (clipping or optimizer.step raised and
+            # the caller went on): that window is over. Forget its bookkeeping, or this
+            # window's unscale_ would be skipped and its scaled gradients applied.
+            for opt_id in list(self._unscaled):
+                self._forget(opt_id)
         self._scaled = True
         return self.scaler.scale(loss)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, through the scaler for fp16."""
         self.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+
+    def discard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget an unfinished fp16 window of ``optimizer`` (after an error before its step).
+
+        The GradScaler then stands as if the window had never happened: no unscale recorded,
+        no inf flag, no scale update. The caller drops the window's gradients.
+        """
+        if self.scaler is not None:
+            self._forget(id(optimizer))
+            if not self._unscaled:
+                self._scaled = False
+
+    def _forget(self, opt_id: int) -> None:
+        assert self.scaler is not None
+        self.scaler._per_optimizer_states.pop(opt_id, None)
+        self._unscaled.discard(opt_id)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's gradients in place (fp16); call before clipping them."""
@@ -236,7 +296,8 @@ class autocast_step(ContextDecorator):
         flags = [found_inf(scaler, opt) for opt in optimizers]
         # Host-device sync: the skip decision must be known on the host (GradScaler itself
         # reads the same flag), and a scheduler must not advance on a skipped update.
-        skipped = torch.stack([f.reshape(()) for f in flags]).tolist()
+        with expected_sync("fp16's overflow check"):
+            skipped = torch.stack([f.reshape(()) for f in flags]).tolist()
         for opt, skip in zip(optimizers, skipped, strict=True):
             if not skip:
                 # Gradients are unscaled and finite here, which is exactly the case where

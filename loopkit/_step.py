@@ -4,16 +4,18 @@ Per micro-batch, from the outside in:
 
 1. ``to_device`` moves the batch (``s.to_device(batch)`` or ``step.iterate(loader)``,
    which also moves the next batch while this one computes).
-2. ``accumulate`` opens the micro-step; on a non-final micro-step it enters ``no_sync``
-   *before* the forward, since DDP decides at the forward whether to all-reduce.
+2. ``accumulate`` opens the micro-step (the first of a window clears the optimizer's
+   gradients); on a non-final micro-step it enters ``no_sync`` *before* the forward, since
+   DDP decides at the forward whether to all-reduce.
 3. ``autocast_step`` covers the forward only.
 4. ``s.backward(loss)`` leaves autocast, normalizes the loss for the window, scales it
    (fp16) and back-propagates.
 5. Leaving ``with`` on the last micro-step of a window: unscale (fp16), normalize, clip,
    optimizer step (skipped on inf/nan), scaler update, scheduler step (only if the
    optimizer stepped), ``zero_grad(set_to_none=True)``.
-6. ``detach_logging`` records the detached loss (and ``s.log(...)`` metrics) once per
-   micro-step; it reads the device only when it flushes.
+6. ``detach_logging`` records the detached loss (and ``s.log_metrics(...)``) once per
+   micro-step (a micro-step that raises records nothing); it reads the device only when it
+   flushes.
 
 Each piece keeps the semantics it has alone; a disabled piece is not entered at all.
 """
@@ -103,6 +105,7 @@ class step:
         self.doctor = doctor
         if doctor is not None:
             doctor.precision = self.amp.precision
+            doctor.device = self.device
             doctor.optimizer = optimizer
             doctor.watch(model)
         self.model = model
@@ -146,6 +149,10 @@ class step:
         tb: TracebackType | None,
     ) -> None:
         doc = self.doctor
+        # This micro-step's record is taken out first: whatever fails below, nothing of it
+        # is left to be logged under the next micro-step.
+        loss, extra = self._loss, self._extra
+        self._loss, self._extra = None, {}
         try:
             try:
                 if self._in_autocast:
@@ -159,11 +166,9 @@ class step:
                     self.accumulate.__exit__(exc_type, exc, tb)
             log = self.log
             if log is not None and exc_type is None:
-                if self._loss is not None:
-                    self._extra["loss"] = self._loss
-                    self._loss = None
-                if self._extra:
-                    extra, self._extra = self._extra, {}
+                if loss is not None:
+                    extra["loss"] = loss
+                if extra:
                     if doc is not None:
                         with doc.phase("logging"):
                             log.record(extra)

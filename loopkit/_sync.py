@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import _ranks
 from ._core import ContextDecorator
 
 try:  # FSDP2, public since torch 2.6
@@ -138,23 +139,43 @@ def sync_grads_now(model: nn.Module) -> None:
 
     Used when a window ends on a micro-step that ran under no_sync (a ragged window closed
     by ``flush()``, or a final micro-step without backward): its gradients are still local.
+    Gradients are aligned by parameter, never by position among the ones present: ranks
+    whose forwards used different parameters (``find_unused_parameters=True``) each send
+    zeros for the ones they lack, plus a presence count. As with DDP, a parameter used on
+    any rank gets the average over all ranks; one used on none keeps ``grad is None``.
     """
-    import torch.distributed as dist
-
     m: Any = unwrap(model)
-    grads = [p.grad for p in m.parameters() if p.requires_grad and p.grad is not None]
-    if not grads:
+    params = [p for p in m.parameters() if p.requires_grad]
+    if not params:
         return
     group = getattr(m, "process_group", None)
-    world = dist.get_world_size(group)
+    world = _ranks.world(group)[1]
     with torch.no_grad():
-        for dtype_grads in _by_dtype_and_device(grads):
-            flat = torch._utils._flatten_dense_tensors(dtype_grads)  # type: ignore[no-untyped-call]
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            unflat = torch._utils._unflatten_dense_tensors(flat, dtype_grads)  # type: ignore[no-untyped-call]
-            for g, synced in zip(dtype_grads, unflat, strict=True):
-                g.copy_(synced)
+        for bucket in _by_dtype_and_device(params):
+            present = [p.grad is not None for p in bucket]
+            flat = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in bucket
+                ]
+                # The presence counts ride in the same all-reduce (exact in any float dtype
+                # for any realistic world size).
+                + [torch.tensor(present, dtype=bucket[0].dtype, device=bucket[0].device)]
+            )
+            _ranks.sum_(flat, group)
+            counts = flat[-len(bucket) :]
+            flat = flat[: -len(bucket)].div_(world)
+            offset = 0
+            # Host-device sync: which parameters got a gradient anywhere decides whether
+            # their .grad exists, a host-side fact (only in this rare by-hand path).
+            used = (counts > 0).tolist()
+            for p, anywhere in zip(bucket, used, strict=True):
+                synced = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(synced)
+                elif anywhere:
+                    p.grad = synced.clone()
 
 
 def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -4,17 +4,25 @@ On an accelerator every such read (``.item()``, ``.tolist()``, ``float(t)``, ``b
 ``.cpu()``, a data-dependent shape such as ``nonzero``) stalls the CPU until the device
 catches up. The counter sees them on any device, the CPU included, so tests and the
 diagnosis run on a machine without a GPU: it counts what *would* stall a GPU.
+
+loopkit's own code wraps the reads it cannot avoid (fp16's overflow check, the
+``skip_nonfinite`` decision) in ``expected_sync(reason)``: a counter counts them and also
+files them under ``expected[reason]``, so the doctor can tell them from the user's.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import OpCallback, OpObserver
 
@@ -49,6 +57,8 @@ _ATEN_READS = frozenset(
     }
 )
 _COPIES = frozenset({"aten._to_copy", "aten.copy_", "aten._copy_from"})
+# The text of the warning torch.cuda.set_sync_debug_mode("warn") gives at each sync.
+_CUDA_SYNC_WARNING = "synchroniz"
 
 
 def _is_cpu(x: object) -> bool:
@@ -56,18 +66,68 @@ def _is_cpu(x: object) -> bool:
 
 
 class _State:
-    __slots__ = ("depth", "events", "ignore")
+    """One counter's tallies."""
+
+    __slots__ = ("depth", "events", "expected", "ignore", "user")
 
     def __init__(self, ignore: frozenset[int]) -> None:
         self.ignore = ignore
-        self.events: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()  # every read, by operation
+        self.expected: Counter[str] = Counter()  # loopkit's own, by reason
+        self.user: Counter[str] = Counter()  # the others, by operation
         self.depth = 0  # >0 while inside a counted Python-level read: its inner ops are its own
+
+    def record(self, name: str, reason: str | None) -> None:
+        self.events[name] += 1
+        if reason is None:
+            self.user[name] += 1
+        else:
+            self.expected[reason] += 1
+
+
+class _Hub:
+    """The counters active in one thread, behind one pair of modes shared by all of them.
+
+    One pair, not one per counter: torch pops its mode stacks from the top whichever mode
+    exits, so two pairs exited out of order would remove each other's modes and leave one
+    installed. With one pair, counters enter and exit in any order.
+    """
+
+    __slots__ = ("modes", "reasons", "states", "watchers")
+
+    def __init__(self) -> None:
+        self.states: list[_State] = []
+        self.watchers: list[_CudaSyncCounter] = []
+        self.reasons: list[str] = []  # the open expected_sync blocks, innermost last
+        self.modes: tuple[TorchFunctionMode, TorchDispatchMode] | None = None
+
+    def reason(self) -> str | None:
+        return self.reasons[-1] if self.reasons else None
+
+
+_local = threading.local()
+_lock = threading.Lock()
+# Counters and CUDA watchers active in any thread: expected_sync's whole cost when it is 0.
+_active = 0
+
+
+def _hub() -> _Hub:
+    hub: _Hub | None = getattr(_local, "hub", None)
+    if hub is None:
+        hub = _local.hub = _Hub()
+    return hub
+
+
+def _count_active(delta: int) -> None:
+    global _active
+    with _lock:
+        _active += delta
 
 
 class _FunctionCounter(TorchFunctionMode):
-    def __init__(self, state: _State) -> None:
+    def __init__(self, hub: _Hub) -> None:
         super().__init__()
-        self.state = state
+        self.hub = hub
 
     def __torch_function__(
         self,
@@ -78,24 +138,28 @@ class _FunctionCounter(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if self.state.ignore and args and id(args[0]) in self.state.ignore:
-            self.state.depth += 1  # its inner aten read is not counted either
-            try:
-                return func(*args, **kwargs)
-            finally:
-                self.state.depth -= 1
-        counted = self.state.depth == 0 and (
-            (name in _PY_READS and not (name == "__format__" and args and args[0].dim() > 0))
-            or (name in ("cpu", "to") and _leaves_device_for_host(name, args, kwargs))
-        )
-        if counted:
-            self.state.events[f"Tensor.{name}"] += 1
-            self.state.depth += 1
+        read = (
+            name in _PY_READS and not (name == "__format__" and args and args[0].dim() > 0)
+        ) or (name in ("cpu", "to") and _leaves_device_for_host(name, args, kwargs))
+        first = id(args[0]) if args else None
+        reason = self.hub.reason()
+        entered: list[_State] = []
+        for state in self.hub.states:
+            if state.depth:
+                continue  # inside one of its counted reads: the inner ops belong to that read
+            if state.ignore and first in state.ignore:
+                pass  # host-resident by design: neither it nor its inner aten read counts
+            elif read:
+                state.record(f"Tensor.{name}", reason)
+            else:
+                continue
+            state.depth += 1
+            entered.append(state)
         try:
             return func(*args, **kwargs)
         finally:
-            if counted:
-                self.state.depth -= 1
+            for state in entered:
+                state.depth -= 1
 
 
 def _leaves_device_for_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -110,12 +174,16 @@ def _leaves_device_for_host(name: str, args: tuple[Any, ...], kwargs: dict[str, 
     )
 
 
-def _aten_read(state: _State) -> OpCallback:
+def _aten_read(hub: _Hub) -> OpCallback:
     def before(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _: Any) -> None:
-        if state.depth == 0:
-            name = func.overloadpacket._qualified_op_name.replace("::", ".")
-            if name in _ATEN_READS or (name in _COPIES and _copy_to_host(name, args, kwargs)):
-                state.events[name] += 1
+        states = [s for s in hub.states if not s.depth]
+        if not states:
+            return
+        name = func.overloadpacket._qualified_op_name.replace("::", ".")
+        if name in _ATEN_READS or (name in _COPIES and _copy_to_host(name, args, kwargs)):
+            reason = hub.reason()
+            for state in states:
+                state.record(name, reason)
 
     return before
 
@@ -130,18 +198,154 @@ def _copy_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return isinstance(dst, torch.Tensor) and dst.device.type == "cpu"
 
 
+# -- installing and removing the shared modes -------------------------------------------------
+
+
+def _install(hub: _Hub) -> None:
+    function_mode = _FunctionCounter(hub)
+    dispatch_mode = OpObserver(before=_aten_read(hub))
+    function_mode.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        dispatch_mode.__enter__()  # type: ignore[no-untyped-call]
+    except BaseException:
+        _remove_function_mode(function_mode)
+        raise
+    hub.modes = (function_mode, dispatch_mode)
+
+
+def _uninstall(hub: _Hub) -> None:
+    modes, hub.modes = hub.modes, None
+    if modes is None:
+        return
+    try:
+        _remove_dispatch_mode(modes[1])
+    finally:
+        _remove_function_mode(modes[0])
+
+
+def _index(stack: list[Any], mode: object) -> int | None:
+    return next((i for i, m in enumerate(stack) if m is mode), None)
+
+
+def _remove_function_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's function-mode stack, wherever it is; keep the others.
+
+    A mode entered after ours and still open sits above it: it is lifted off and put
+    back, so the order of the remaining modes does not change.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    i = _index(stack, mode)
+    if i is None:
+        return  # already popped (by an out-of-order exit of a mode below it)
+    above = stack[i + 1 :]
+    for _ in above:
+        torch._C._pop_torch_function_stack()
+    try:
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    finally:
+        for m in above:
+            torch._C._push_on_torch_function_stack(m)
+
+
+# The per-mode lists in which TorchDispatchMode.__enter__ saves torch's "a mode is on the
+# stack" flags for its __exit__ to restore.
+_SAVED_FLAGS = (
+    "old_dispatch_mode_flags",
+    "old_non_infra_dispatch_mode_flags",
+    "old_without_ignore_compile_internals_dispatch_mode_flags",
+)
+
+
+def _remove_dispatch_mode(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off this thread's dispatch-mode stack, wherever it is; keep the others.
+
+    Modes above it are lifted off and entered again (with TorchDispatchMode's own
+    ``__enter__``), so the flags each saved for its exit describe the stack without
+    ``mode``, and torch's "a mode is active" flags end right once they exit too.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    stack = _get_current_dispatch_mode_stack()
+    i = _index(stack, mode)
+    if i is None:
+        return
+    above = stack[i + 1 :]  # user modes only: infra modes sit below every user mode
+    for m in reversed(above):
+        torch._C._pop_torch_dispatch_stack(None)
+        for attr in _SAVED_FLAGS:
+            saved = getattr(m, attr, None)
+            if saved:
+                saved.pop()
+    try:
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    finally:
+        for m in above:
+            TorchDispatchMode.__enter__(m)  # type: ignore[no-untyped-call]
+
+
+# -- expected syncs -------------------------------------------------------------------------
+
+_NOTHING: AbstractContextManager[None] = nullcontext()
+
+
+class _Expected:
+    __slots__ = ("hub", "marks", "reason")
+
+    def __init__(self, hub: _Hub, reason: str) -> None:
+        self.hub, self.reason = hub, reason
+        self.marks: list[tuple[_CudaSyncCounter, int]] = []
+
+    def __enter__(self) -> None:
+        self.hub.reasons.append(self.reason)
+        self.marks = [(w, w._mark()) for w in self.hub.watchers]
+
+    def __exit__(self, *exc: object) -> None:
+        self.hub.reasons.pop()
+        for watcher, start in self.marks:
+            watcher._claim(start, self.reason)
+        self.marks = []
+
+
+def expected_sync(reason: str) -> AbstractContextManager[None]:
+    """Mark the host reads inside ``with`` as loopkit's own, needed for ``reason``.
+
+    Active counters still count them, and also file them under ``expected[reason]``.
+    With no counter active (a normal run) it returns a shared no-op context: one global
+    read, no allocation.
+    """
+    if not isinstance(reason, str) or not reason:
+        raise TypeError(
+            f"expected_sync needs the reason as a non-empty str (e.g. \"fp16's overflow "
+            f'check"), got {reason!r}'
+        )
+    if not _active:
+        return _NOTHING
+    hub: _Hub | None = getattr(_local, "hub", None)
+    if hub is None or not (hub.states or hub.watchers):
+        return _NOTHING
+    return _Expected(hub, reason)
+
+
+# -- the counters ---------------------------------------------------------------------------
+
+
 class count_host_syncs:
     """Count host reads of tensor data inside a ``with`` block.
 
     ``with count_host_syncs() as syncs: ...`` then ``syncs.count`` is the number of reads
-    and ``syncs.events`` says which operations made them. ``ignore`` holds ids of tensors
-    whose reads are not counted (host-resident by design, such as an optimizer's step
-    counter). Meant for tests and diagnosis: it slows the code it watches.
+    and ``syncs.events`` says which operations made them; of those, the reads loopkit
+    itself needs (fp16's overflow check, ``skip_nonfinite``) are also in
+    ``syncs.expected`` by reason, and the rest in ``syncs.user_events``. ``ignore``
+    holds ids of tensors whose reads are not counted (host-resident by design, such as
+    an optimizer's step counter). Counters nest and may exit in any order. Meant for
+    tests and diagnosis: it slows the code it watches.
     """
 
     def __init__(self, ignore: frozenset[int] = frozenset()) -> None:
         self._state = _State(frozenset(ignore))
-        self._modes: list[Any] = []
+        self._hub: _Hub | None = None
 
     @property
     def count(self) -> int:
@@ -153,10 +357,28 @@ class count_host_syncs:
         """Host reads seen so far, by operation."""
         return dict(self._state.events)
 
+    @property
+    def expected(self) -> dict[str, int]:
+        """loopkit's own necessary host reads seen so far, by the reason given to expected_sync."""
+        return dict(self._state.expected)
+
+    @property
+    def user_events(self) -> dict[str, int]:
+        """Host reads seen so far, by operation, other than loopkit's own necessary ones."""
+        return dict(self._state.user)
+
     def __enter__(self) -> count_host_syncs:
-        self._modes = [_FunctionCounter(self._state), OpObserver(before=_aten_read(self._state))]
-        for mode in self._modes:
-            mode.__enter__()
+        if self._hub is not None:
+            raise RuntimeError(
+                "this count_host_syncs is already counting: enter it once (nest a second "
+                "count_host_syncs() to count an inner block on its own)"
+            )
+        hub = _hub()
+        if not hub.states:
+            _install(hub)
+        hub.states.append(self._state)
+        self._hub = hub
+        _count_active(1)
         return self
 
     def __exit__(
@@ -165,6 +387,84 @@ class count_host_syncs:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(exc_type, exc, tb)
-        self._modes = []
+        hub = self._hub
+        if hub is None:
+            raise RuntimeError("count_host_syncs exited without being entered")
+        self._hub = None
+        hub.states.remove(self._state)
+        _count_active(-1)
+        if not hub.states:
+            _uninstall(hub)
+
+
+class _CudaSyncCounter:
+    """The doctor's sync count on CUDA: torch.cuda.set_sync_debug_mode("warn") warns at each.
+
+    It sees the driver-level syncs, whatever op made them, but only as warnings: each is
+    counted under its message (``events``), or under ``expected[reason]`` when it came
+    from inside ``expected_sync``. Other warnings raised meanwhile are shown again on exit.
+    """
+
+    def __init__(self) -> None:
+        self.events: Counter[str] = Counter()
+        self.expected: Counter[str] = Counter()
+        self._catch: warnings.catch_warnings[list[warnings.WarningMessage]] | None = None
+        self._records: list[warnings.WarningMessage] = []
+        self._previous_mode = 0
+        self._hub: _Hub | None = None
+
+    def __enter__(self) -> _CudaSyncCounter:
+        if self._hub is not None:
+            raise RuntimeError("this CUDA sync counter is already counting: enter it once")
+        catch = warnings.catch_warnings(record=True)
+        self._records = catch.__enter__()
+        warnings.simplefilter("always")
+        self._catch = catch
+        if torch.cuda.is_available():
+            self._previous_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        hub = _hub()
+        hub.watchers.append(self)
+        self._hub = hub
+        _count_active(1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        hub, catch = self._hub, self._catch
+        if hub is None or catch is None:
+            raise RuntimeError("the CUDA sync counter exited without being entered")
+        self._hub = self._catch = None
+        hub.watchers.remove(self)
+        _count_active(-1)
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(self._previous_mode)
+        finally:
+            catch.__exit__(None, None, None)
+        others = []
+        for w in self._records:
+            if _CUDA_SYNC_WARNING in str(w.message):
+                self.events[str(w.message).split("\n")[0][:60]] += 1
+            else:
+                others.append(w)
+        self._records = []
+        for w in others:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+    @property
+    def user_events(self) -> dict[str, int]:
+        """The sync warnings outside loopkit's own necessary reads, by message."""
+        return dict(self.events)
+
+    def _mark(self) -> int:
+        return len(self._records)
+
+    def _claim(self, start: int, reason: str) -> None:
+        # The sync warnings recorded since ``start`` came from inside expected_sync(reason).
+        claimed = self._records[start:]
+        del self._records[start:]
+        for w in claimed:
+            if _CUDA_SYNC_WARNING in str(w.message):
+                self.expected[reason] += 1
+            else:
+                self._records.append(w)

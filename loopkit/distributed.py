@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import numbers
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from ._checkpoint import Blocks
 from ._core import is_int_at_least
@@ -233,7 +234,7 @@ class _SeededRandomSampler(Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        g = torch.Generator().manual_seed(_torch_seed(self.seed + self.epoch))
         return iter(torch.randperm(self.n, generator=g).tolist())
 
     def __len__(self) -> int:
@@ -281,8 +282,15 @@ class EpochLoader:
         self._resume_at = 0
         self._pass_epoch = 0
         self._pass_generator_state: torch.Tensor | None = None
+        # Called (and dropped) when the next pass starts, before its first batch is drawn:
+        # a Checkpointer defers an end-of-epoch save to here, after the epoch's own code.
+        self._before_next_pass: list[Callable[[], object]] = []
 
     def __iter__(self) -> Iterator[Any]:
+        while self._before_next_pass:
+            # Each hook leaves the list before it runs: one that raises is not run again,
+            # and the ones after it still run at the next pass.
+            self._before_next_pass.pop(0)()
         epoch, self.epoch = self.epoch, self.epoch + 1
         self.sampler.set_epoch(epoch)
         generator = self.loader.generator
@@ -308,26 +316,123 @@ class EpochLoader:
         self.epoch = epoch
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where the current pass stands: its epoch and the batches ``consumed`` so far."""
+        """Where the current pass stands: its epoch and the batches ``consumed`` so far.
+
+        Also records the data set's length, the batch size and the batches per pass, so a
+        resume with other data is refused instead of repeating some samples and skipping
+        others.
+        """
+        position = self.position if consumed is None else consumed
         state: dict[str, Any] = {
             "epoch": self._pass_epoch,
-            "position": self.position if consumed is None else consumed,
+            "position": position,
             "next_epoch": self.epoch,
+            "dataset_length": self.sampler.n,
+            "samples": len(self.sampler),
+            "batch_size": self.loader.batch_size,
+            "batches": len(self.loader),
         }
-        if self._pass_generator_state is not None:
-            state["generator"] = self._pass_generator_state
+        generator = self.loader.generator
+        if generator is not None:
+            finished = position >= len(self.loader)
+            if finished or self._pass_generator_state is None:
+                # The next pass starts from the generator as it is now.
+                state["generator"] = generator.get_state()
+            else:
+                # A resumed pass is rebuilt from its start: the state the pass began with.
+                state["generator"] = self._pass_generator_state
         return state
 
+    def _check_state(self, state: Any) -> None:
+        """Raise ValueError saying what is wrong if ``state`` cannot be loaded here."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"a loader state must be a dict, got {type(state).__name__}")
+        for key in ("epoch", "position", "next_epoch", "dataset_length", "samples", "batches"):
+            if key not in state:
+                raise ValueError(f"the loader state has no {key!r} entry (incomplete)")
+            if not is_int_at_least(state[key], 0):
+                raise ValueError(
+                    f"the loader state's {key!r} must be an int >= 0, got {state[key]!r}"
+                )
+        if "batch_size" not in state:
+            raise ValueError("the loader state has no 'batch_size' entry (incomplete)")
+        if state["dataset_length"] != self.sampler.n:
+            raise ValueError(
+                f"the data set has {self.sampler.n} samples but the state was saved with "
+                f"{state['dataset_length']}: resuming would repeat some samples and skip others; "
+                "resume with the data set the run was saved with"
+            )
+        if state["batch_size"] != self.loader.batch_size:
+            raise ValueError(
+                f"the loader's batch size is {self.loader.batch_size} but the state was saved "
+                f"with {state['batch_size']}: build the loader with the same batch size"
+            )
+        here = (len(self.sampler), len(self.loader))
+        if (state["samples"], state["batches"]) != here:
+            raise ValueError(
+                f"this loader's pass has {here[0]} samples in {here[1]} batches but the state "
+                f"was saved from one with {state['samples']} in {state['batches']}: resume with "
+                "the same number of processes, drop_last and batch size"
+            )
+        if state["position"] > state["batches"]:
+            raise ValueError(
+                f"the loader state's position {state['position']} is past the end of a pass of "
+                f"{state['batches']} batches"
+            )
+        generator = self.loader.generator
+        saved = state.get("generator")
+        if saved is not None and generator is not None:
+            if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
+                raise ValueError(
+                    "the loader state's 'generator' must be a uint8 tensor from "
+                    f"torch.Generator.get_state(), got {type(saved).__name__}"
+                )
+            try:  # on a scratch generator: this loader's stays untouched if it is refused
+                torch.Generator(device=generator.device).set_state(saved)
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise ValueError(
+                    f"the loader state's 'generator' is not a valid state: {err}"
+                ) from err
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state_dict`` left off: the same epoch, the next batch."""
-        position, epoch = int(state["position"]), int(state["epoch"])
+        """Continue where ``state_dict`` left off: the same epoch, the next batch.
+
+        The state is checked first (data set length, batch size, batches per pass, the
+        generator state); a refused state changes nothing.
+        """
+        self._check_state(state)
+        position = int(state["position"])
         if position >= len(self.loader):
-            # The pass had finished: the next one is a new epoch.
+            # The pass had finished: the next one is a new epoch, from its first batch.
             self.epoch, self._resume_at = int(state["next_epoch"]), 0
-            return
-        self.epoch, self._resume_at = epoch, position
-        if "generator" in state and self.loader.generator is not None:
-            self.loader.generator.set_state(state["generator"])
+        else:
+            self.epoch, self._resume_at = int(state["epoch"]), position
+        # Described as "the pass to run next, with `_resume_at` batches done", so that a
+        # state_dict() taken before the next pass starts round-trips.
+        self._pass_epoch, self.position = self.epoch, self._resume_at
+        generator = self.loader.generator
+        saved = state.get("generator")
+        if saved is not None and generator is not None:
+            generator.set_state(saved)
+            self._pass_generator_state = generator.get_state()
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        """Everything ``load_state_dict`` changes, for ``_restore`` to put back."""
+        generator = self.loader.generator
+        return (
+            self.epoch,
+            self.position,
+            self._resume_at,
+            self._pass_epoch,
+            self._pass_generator_state,
+            generator.get_state() if generator is not None else None,
+        )
+
+    def _restore(self, snapshot: tuple[Any, ...]) -> None:
+        (self.epoch, self.position, self._resume_at, self._pass_epoch,
+         self._pass_generator_state, generator_state) = snapshot  # fmt: skip
+        if generator_state is not None and self.loader.generator is not None:
+            self.loader.generator.set_state(generator_state)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -351,7 +456,7 @@ def loader(
     *,
     global_batch_size: int | None = None,
     shuffle: bool = True,
-    seed: int = 0,
+    seed: int | np.integer[Any] = 0,
     drop_last: bool = False,
     num_workers: int | None = None,
     pin_memory: bool | None = None,
@@ -363,8 +468,17 @@ def loader(
     ``batch_size`` is per process; ``global_batch_size`` is split over the ranks (it must
     divide). Workers default to this node's cores per process minus one; ``pin_memory``
     only with CUDA; persistent workers; numpy and ``random`` seeded per worker; under DDP
-    a ``DistributedSampler`` whose ``set_epoch`` is called on every pass.
+    a ``DistributedSampler`` whose ``set_epoch`` is called on every pass. ``seed`` is
+    any integer (numpy integers too) in [-2**63, 2**63 - 1].
     """
+    seed = _check_seed(seed)
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            "loader() needs a map-style dataset (__getitem__ and __len__): it shards and "
+            "resumes by index, which an IterableDataset has not; shard an IterableDataset "
+            "yourself (e.g. by torch.utils.data.get_worker_info() and the rank) and pass it "
+            "to a plain DataLoader"
+        )
     here = info()
     if (batch_size is None) == (global_batch_size is None):
         raise TypeError("pass exactly one of batch_size (per process) or global_batch_size")
@@ -401,7 +515,7 @@ def loader(
     else:
         base = None
     sampler = _ResumableSampler(base, len(dataset))
-    generator = torch.Generator().manual_seed(seed * 1000 + here.rank)
+    generator = torch.Generator().manual_seed(_torch_seed(seed * 1000 + here.rank))
     dl = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -416,6 +530,29 @@ def loader(
         **dataloader_kwargs,
     )
     return EpochLoader(dl, sampler)
+
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _check_seed(seed: object) -> int:
+    """``seed`` as an int, or a clear error naming it and the range a seed may take."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(
+            f"seed must be an integer (int or numpy integer) in [-2**63, 2**63 - 1], got "
+            f"{seed!r} ({type(seed).__name__})"
+        )
+    value = int(seed)
+    if not _SEED_MIN <= value <= _SEED_MAX:
+        raise ValueError(f"seed must be in [-2**63, 2**63 - 1] (a 64-bit seed), got {value}")
+    return value
+
+
+def _torch_seed(value: int) -> int:
+    """A seed ``torch.Generator.manual_seed`` takes: unchanged when in its range, else mod 2**64."""
+    # Seeds derived from a valid seed (seed * 1000 + rank, seed + epoch) may leave the range
+    # manual_seed accepts ([-2**63, 2**64 - 1]); those in it keep their value (and stream).
+    return value if _SEED_MIN <= value <= 2**64 - 1 else value % 2**64
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -5,15 +5,13 @@ Launched by test_distributed.py; results land in OUT/<scenario>.rank<r>.pt.
 
 from __future__ import annotations
 
-import sys
-import traceback
-from collections.abc import Callable
-from pathlib import Path
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from helpers import counted_ddp
+from helpers import counted_ddp, run_scenarios
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -109,48 +107,185 @@ def all_reduce_counts(info: distributed.DistInfo) -> dict[str, Any]:
     return {"with_loopkit": len(with_loopkit), "without": len(without), "updates": acc.updates}
 
 
+_COLLECTIVES = (
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+
+
+@contextlib.contextmanager
+def counted_collectives() -> Iterator[list[str]]:
+    """The names of the torch.distributed collectives called inside the block, in order."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            calls.append(name)
+            return originals[name](*a, **k)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 @scenario
 def logging_collectives(info: distributed.DistInfo) -> dict[str, Any]:
-    """detach_logging under DDP: one collective per flush, values are all-rank means."""
-    calls: list[str] = []
-    originals = {}
-    for name in (
-        "all_gather_single",
-        "all_gather_into_tensor",
-        "all_gather",
-        "all_reduce",
-        "broadcast",
-        "reduce",
-        "gather",
-        "all_to_all_single",
-        "reduce_scatter_tensor",
-    ):
-        if not hasattr(dist, name):
-            continue
-        originals[name] = getattr(dist, name)
-
-        def counting(*a: Any, _n: str = name, **k: Any) -> Any:
-            calls.append(_n)
-            return originals[_n](*a, **k)
-
-        setattr(dist, name, counting)
+    """detach_logging(sync_ranks=True): one collective per flush, values are all-rank means."""
     flushed: list[dict[str, float]] = []
-    try:
+    with counted_collectives() as calls:
         log = loopkit.detach_logging(
-            every=10, sink=flushed.append, reduce={"peak": "max", "n": "sum"}
+            every=10, sink=flushed.append, reduce={"peak": "max", "n": "sum"}, sync_ranks=True
         )
         for i in range(30):
             value = torch.tensor(float(i + 100 * info.rank))
             log(loss=value, peak=value, n=1.0)
         per_flush = len(calls) / 3
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return {
         "per_flush": per_flush,
         "kinds": sorted(set(calls)),
         "flushed": flushed,
         "last": log.last,
+    }
+
+
+@scenario
+def logging_first_seen_order(info: distributed.DistInfo) -> dict[str, Any]:
+    """The same metrics first seen in another order on each rank: still one collective."""
+    flushed: list[dict[str, float]] = []
+    log = loopkit.detach_logging(every=2, sink=flushed.append, sync_ranks=True)
+    per_flush = []
+    for i in range(4):
+        metrics = {"loss": torch.tensor(float(i + info.rank))}
+        if i == info.rank:  # rank 0 logs 'spike' first at call 0, rank 1 at call 1
+            metrics = {"spike": torch.tensor(5.0 + info.rank), **metrics}
+        with counted_collectives() as calls:
+            log(**metrics)
+        if i % 2 == 1:
+            per_flush.append(len(calls))
+    return {"flushed": [list(d.items()) for d in flushed], "per_flush": per_flush}
+
+
+@scenario
+def logging_uneven_metrics(info: distributed.DistInfo) -> dict[str, Any]:
+    """Metrics logged on some ranks only, or unequally often: reduced over who logged them."""
+    flushed: list[dict[str, float]] = []
+    log = loopkit.detach_logging(
+        every=4,
+        sink=flushed.append,
+        reduce={"gn": "max", "tokens": "sum", "final": "last", "probe": "max", "lo": "min"},
+        sync_ranks=True,
+    )
+    per_flush = []
+    for i in range(8):
+        metrics: dict[str, Any] = {"loss": torch.tensor(float(i + 10 * info.rank))}
+        if i < 4:  # the first interval: metric sets differ between the ranks
+            if info.rank == 1:
+                metrics["gn"] = torch.tensor(float(i))  # rank 1 only
+            # Weighted by counts: rank 0 logs w once (1.0), rank 1 three times (2, 3, 4).
+            if (info.rank == 0 and i == 0) or (info.rank == 1 and i > 0):
+                metrics["w"] = torch.tensor(float(i + 1))
+            if i == 0:  # exact beyond float32: 2**52 + 1 on rank 0, 2 on rank 1
+                metrics["tokens"] = torch.tensor(2**52 + 1 if info.rank == 0 else 2)
+            if info.rank == 0 and i == 3:
+                metrics["final"] = 7.0  # 'last' of rank 0 only, a Python float
+        else:  # the second interval: the same set everywhere, tensors and Python floats mixed
+            metrics["lr"] = 0.5 * (1 + info.rank)
+            nan_here = info.rank == 0 and i == 5
+            metrics["probe"] = torch.tensor(float("nan") if nan_here else 1.0)
+            metrics["lo"] = float("nan") if info.rank == 1 and i == 6 else 3.0
+        with counted_collectives() as calls:
+            log(**metrics)
+        if i % 4 == 3:
+            per_flush.append(sorted(calls))
+    return {
+        "flushed": [list(d.items()) for d in flushed],
+        "last": list(log.last.items()),
+        "per_flush": per_flush,
+    }
+
+
+@scenario
+def logging_many_metrics(info: distributed.DistInfo) -> dict[str, Any]:
+    """More metrics than the fixed gather holds (40): the name exchange still reduces them."""
+    flushed: list[dict[str, float]] = []
+    log = loopkit.detach_logging(every=2, sink=flushed.append, sync_ranks=True)
+    with counted_collectives() as calls:
+        for i in range(2):
+            log(**{f"m{k:02d}": torch.tensor(float(k + i + 10 * info.rank)) for k in range(40)})
+    return {"flushed": flushed, "calls": len(calls)}
+
+
+@scenario
+def logging_conflicting_reductions(info: distributed.DistInfo) -> dict[str, Any]:
+    """One metric reduced by max on rank 0 and mean on rank 1: every rank raises, keeps data."""
+    log = loopkit.detach_logging(
+        every=None, sink=None, reduce={"x": "max"} if info.rank == 0 else "mean", sync_ranks=True
+    )
+    log(x=torch.tensor(1.0))
+    try:
+        log.flush()
+    except RuntimeError as err:
+        error: str | None = str(err)
+    else:
+        error = None
+    return {"error": error, "kept": len(log._values.get("x", [])), "step": log.step}
+
+
+@scenario
+def logging_rank0_only(info: distributed.DistInfo) -> dict[str, Any]:
+    """Default sync_ranks: rank 0 alone logs (no collective), rank 1 trains on in lockstep."""
+    torch.manual_seed(0)
+    net = DDP(nn.Linear(4, 1))
+    train = loopkit.step(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(info.rank)
+    got: list[dict[str, float]] = []
+    mine: list[dict[str, float]] = []
+    both: list[dict[str, float]] = []
+    losses: list[float] = []
+    rank0_log = loopkit.detach_logging(every=2, sink=got.append) if info.rank == 0 else None
+    everyone = loopkit.detach_logging(every=3, sink=mine.append, sync_ranks=False)
+    default_both = loopkit.detach_logging(every=3, sink=both.append)
+    logging_calls: list[str] = []
+    for _ in range(6):
+        with train as s:
+            loss = net(torch.randn(8, 4, generator=g)).pow(2).mean()
+            s.backward(loss)
+        losses.append(loss.item())
+        with counted_collectives() as calls:
+            if rank0_log is not None:
+                rank0_log(loss=loss)
+            everyone(mine=loss)
+            default_both(both=loss)
+        logging_calls += calls
+    w = torch.cat([p.detach().flatten() for p in net.module.parameters()])
+    ws = [torch.zeros_like(w) for _ in range(info.world_size)]
+    dist.all_gather(ws, w)
+    return {
+        "logging_calls": logging_calls,
+        "replicas_equal": all(torch.equal(ws[0], x) for x in ws),
+        "updates": train.updates,
+        "got": got,
+        "mine": mine,
+        "both": both,
+        "both_last": default_both.last,
+        "losses": losses,
     }
 
 
@@ -242,19 +377,5 @@ def already_wrapped(info: distributed.DistInfo) -> dict[str, Any]:
     return {"error": None}
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    names = sys.argv[2:] or list(SCENARIOS)
-    with distributed.setup() as info:
-        assert info.world_size == 2, info
-        for name in names:
-            try:
-                result = SCENARIOS[name](info)
-            except Exception:
-                result = {"exception": traceback.format_exc()}
-            torch.save(result, out / f"{name}.rank{info.rank}.pt")
-            dist.barrier()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(SCENARIOS)

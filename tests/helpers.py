@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,3 +96,89 @@ def counted_ddp(model: nn.Module) -> tuple[nn.parallel.DistributedDataParallel, 
 
     ddp.register_comm_hook(None, hook)
     return ddp, calls
+
+
+def run_scenarios(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
+    """Body of a torchrun worker: run each scenario, save each rank's result to argv[1]."""
+    import sys
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from loopkit import distributed
+
+    out = Path(sys.argv[1])
+    names = sys.argv[2:] or list(scenarios)
+    with distributed.setup() as info:
+        assert info.world_size == 2, info
+        for name in names:
+            try:
+                result = scenarios[name](info)
+            except Exception:
+                result = {"exception": traceback.format_exc()}
+            torch.save(result, out / f"{name}.rank{info.rank}.pt")
+            dist.barrier()
+
+
+def launch_scenarios(worker: str, out: Any) -> dict[str, list[dict[str, Any]]]:
+    """Run ``worker`` (a tests/ script calling run_scenarios) under torchrun with 2 ranks.
+
+    Returns each scenario's per-rank results; a scenario that raised fails here.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*cmd, worker, str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=launch_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(Path(out).glob("*.rank*.pt")):
+        name, _ = path.name.split(".rank")
+        found.setdefault(name, []).append(torch.load(path, weights_only=False))
+    for name, per_rank in found.items():
+        for r in per_rank:
+            assert "exception" not in r, f"{name}: {r.get('exception')}"
+    return found
+
+
+class Store(MutableMapping[str, Any]):
+    """A custom mapping that keeps its items in an attribute, as many batch classes do."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = dict(items)
+        self.source = "disk"
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class StreamWithLen(torch.utils.data.IterableDataset[int]):
+    """An IterableDataset that also has a length (which DataLoader cannot shard by index)."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(8))
+
+    def __len__(self) -> int:
+        return 8

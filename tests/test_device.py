@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 from conftest import requires_cuda
+from helpers import Store
 from torch.overrides import TorchFunctionMode
 
 import loopkit
@@ -197,3 +199,82 @@ def test_cuda_non_blocking_only_from_pinned_memory() -> None:
     assert rec.flags == [True, False, False, False]
     torch.testing.assert_close(back["p"], pinned)
     torch.testing.assert_close(back["q"], pageable)
+
+
+class SlottedStore(Store):
+    """The same, with its storage in a slot."""
+
+    __slots__ = ("_slot_items",)
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._slot_items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._slot_items[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._slot_items[key] = value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slot_items)
+
+    def __len__(self) -> int:
+        return len(self._slot_items)
+
+
+@pytest.mark.parametrize("kind", [Store, SlottedStore, collections.UserDict])
+def test_custom_mutable_mapping_is_copied_never_changed(kind: Any) -> None:
+    """A custom MutableMapping comes back as a new one of its type; the user's keeps its tensors."""
+    x, y = torch.ones(2), torch.zeros(1)
+    batch = kind({"x": x, "y": y, "name": "b"})
+    out = loopkit.to_device(batch, "meta")
+    assert type(out) is kind and out is not batch
+    assert batch["x"] is x and batch["y"] is y and len(batch) == 3
+    assert out["x"].device.type == "meta" and out["y"].device.type == "meta"
+    assert out["name"] == "b"
+    if kind is Store:
+        assert out.source == "disk"  # what the type carries besides its items is kept
+
+
+def test_deque_set_and_frozenset_tensors_move() -> None:
+    """Tensors inside a deque (its maxlen kept), a set and a frozenset move; originals stay."""
+    a, b = torch.ones(1), torch.ones(2)
+    dq: collections.deque[torch.Tensor] = collections.deque([a, b], maxlen=5)
+    items = {"dq": dq, "set": {a, b}, "frozen": frozenset({a, (b, "tag")})}
+    out = loopkit.to_device(items, "meta")
+    assert type(out["dq"]) is collections.deque and out["dq"].maxlen == 5
+    assert [t.device.type for t in out["dq"]] == ["meta", "meta"]
+    assert type(out["set"]) is set and {t.device.type for t in out["set"]} == {"meta"}
+    assert len(out["set"]) == 2
+    assert type(out["frozen"]) is frozenset and len(out["frozen"]) == 2
+    moved_frozen = {
+        x.device.type if isinstance(x, torch.Tensor) else x[0].device.type for x in out["frozen"]
+    }
+    assert moved_frozen == {"meta"}
+    assert list(dq) == [a, b] and all(t.device.type == "cpu" for t in dq)
+    assert items["set"] == {a, b}
+
+
+def test_user_list_moves_and_stays_a_user_list() -> None:
+    """A UserList (a MutableSequence that is not a list) moves its tensors into a new one."""
+    t = torch.ones(3)
+    batch = collections.UserList([t, "text"])
+    out = loopkit.to_device(batch, "meta")
+    assert type(out) is collections.UserList and out[0].device.type == "meta"
+    assert out[1] == "text" and batch[0] is t
+
+
+class _Uncopyable(Store):
+    """A mapping that refuses to be copied."""
+
+    def __copy__(self) -> _Uncopyable:
+        raise RuntimeError("handles cannot be copied")
+
+
+def test_uncopyable_mapping_is_refused_and_unchanged() -> None:
+    """A mapping that cannot be copied raises a TypeError saying what to pass; it is not touched."""
+    t = torch.ones(1)
+    batch = _Uncopyable({"x": t})
+    with pytest.raises(TypeError, match="cannot copy a _Uncopyable"):
+        loopkit.to_device(batch, "meta")
+    assert batch["x"] is t

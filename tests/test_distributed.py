@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launch_env, mlp
+from helpers import launch_env, launch_scenarios, mlp
 
 import loopkit
 from loopkit import distributed
@@ -32,16 +33,7 @@ def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess[str]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Every scenario of dist_worker.py, run once by two processes."""
-    out = tmp_path_factory.mktemp("dist")
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/dist_worker.py", str(out)])
-    found: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(out.glob("*.rank*.pt")):
-        name, _ = path.name.split(".rank")
-        found.setdefault(name, []).append(torch.load(path, weights_only=False))
-    for name, per_rank in found.items():
-        for r in per_rank:
-            assert "exception" not in r, f"{name}: {r.get('exception')}"
-    return found
+    return launch_scenarios("tests/dist_worker.py", tmp_path_factory.mktemp("dist"))
 
 
 def test_weighted_micro_batches_match_the_global_large_batch(results: Any) -> None:
@@ -63,7 +55,7 @@ def test_no_sync_makes_one_all_reduce_per_update(results: Any) -> None:
 
 
 def test_logging_is_one_collective_per_flush_with_all_rank_means(results: Any) -> None:
-    """Three flushes, three collectives; values are means (max, sum) over both ranks."""
+    """sync_ranks=True: three flushes, three collectives; means (max, sum) over both ranks."""
     rank0, rank1 = results["logging_collectives"]
     for r in (rank0, rank1):
         assert r["per_flush"] == 1.0 and len(r["kinds"]) == 1
@@ -71,6 +63,74 @@ def test_logging_is_one_collective_per_flush_with_all_rank_means(results: Any) -
     assert rank0["flushed"][0] == {"loss": pytest.approx(54.5), "peak": 109.0, "n": 20.0}
     assert len(rank0["flushed"]) == 3 and rank1["flushed"] == []  # the sink runs on rank 0
     assert rank1["last"] == rank0["last"]
+
+
+def test_logging_different_first_seen_order_is_not_a_mismatch(results: Any) -> None:
+    """Same metrics first seen in another order per rank: right means, one collective."""
+    rank0, rank1 = results["logging_first_seen_order"]
+    assert rank0["per_flush"] == rank1["per_flush"] == [1, 1]
+    # Rank 0's own first-seen order: spike (logged by both ranks once) before loss.
+    assert rank0["flushed"] == [[("spike", 5.5), ("loss", 1.0)], [("loss", 3.0)]]
+    assert rank1["flushed"] == []
+
+
+def test_logging_metrics_on_some_ranks_are_reduced_over_those_ranks(results: Any) -> None:
+    """One-rank metrics, unequal counts, int64 beyond float32, NaN on one rank: all exact."""
+    rank0, rank1 = results["logging_uneven_metrics"]
+    first, second = rank0["flushed"]
+    assert first == [
+        ("loss", 6.5),  # (0+1+2+3 + 10+11+12+13) / 8
+        ("w", 2.5),  # weighted by counts: (1 + 2+3+4) / 4, not the mean of rank means (2.0)
+        ("tokens", float(2**52 + 3)),
+        ("final", 7.0),  # 'last' over the one rank that logged it
+        ("gn", 3.0),  # rank 1's only: after rank 0's own names
+    ]
+    assert second[:2] == [("loss", 10.5), ("lr", 0.75)]
+    assert [name for name, _ in second[2:]] == ["probe", "lo"]
+    assert all(math.isnan(v) for _, v in second[2:])  # a NaN on either rank surfaces
+    assert rank1["flushed"] == []
+    assert rank1["last"][:2] == rank0["last"][:2]
+    # Different metric sets: gather, name exchange, gather; the same sets: one gather.
+    for r in (rank0, rank1):
+        assert len(r["per_flush"][0]) == 3 and "all_gather_object" in r["per_flush"][0]
+        assert len(r["per_flush"][1]) == 1
+
+
+def test_logging_more_metrics_than_the_gather_holds(results: Any) -> None:
+    """40 metrics (over the fixed capacity) are exchanged by name and reduced exactly."""
+    rank0, rank1 = results["logging_many_metrics"]
+    assert rank0["flushed"] == [{f"m{k:02d}": k + 5.5 for k in range(40)}]
+    assert rank0["calls"] == rank1["calls"] == 3
+
+
+def test_logging_conflicting_reductions_raise_on_every_rank(results: Any) -> None:
+    """reduce= differing between ranks: the same clear error everywhere, values kept."""
+    for r in results["logging_conflicting_reductions"]:
+        assert r["error"] is not None and "same reduce= on every rank" in r["error"]
+        assert r["kept"] == 1 and r["step"] == 1
+
+
+def test_logging_on_rank0_only_makes_no_collective(results: Any) -> None:
+    """Default sync_ranks: rank-0-only logging is local, rank 1 trains on, nothing hangs."""
+    rank0, rank1 = results["logging_rank0_only"]
+    for r in (rank0, rank1):
+        assert r["logging_calls"] == [] and r["replicas_equal"] and r["updates"] == 6
+
+    def means(losses: list[float], k: int) -> list[Any]:
+        """The mean of each run of k losses (what a local flush every k calls reports)."""
+        return [
+            pytest.approx(math.fsum(losses[i : i + k]) / k, rel=1e-12)
+            for i in range(0, len(losses), k)
+        ]
+
+    assert [d["loss"] for d in rank0["got"]] == means(rank0["losses"], 2)
+    assert rank1["got"] == []
+    # sync_ranks=False: every rank's sink gets that rank's own values.
+    for r in (rank0, rank1):
+        assert [d["mine"] for d in r["mine"]] == means(r["losses"], 3)
+    # The default with both ranks logging: own values, sink on rank 0 only.
+    assert [d["both"] for d in rank0["both"]] == means(rank0["losses"], 3)
+    assert rank1["both"] == [] and rank1["both_last"]["both"] == means(rank1["losses"], 3)[1]
 
 
 def test_checkpointed_blocks_train_under_ddp(results: Any) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 import loopkit
 from loopkit import _doctor
+from loopkit._syncs import expected_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,25 +34,89 @@ class SlowData(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def test_data_bound_loop_gets_the_data_tip() -> None:
-    """A loader with no workers that decodes slowly: most time waits for data, and it says so."""
+    """A slow __getitem__ read through doc.iterate: the data wait dominates, with its tip."""
     loader = torch.utils.data.DataLoader(SlowData(), batch_size=8)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    doc = loopkit.doctor(loader=loader)
-    for x, y in loader:
+    doc = loopkit.doctor(sample_syncs_at=())
+    for x, y in doc.iterate(loader):
         with doc:
             loss_fn(model, (x, y)).backward()
             with doc.phase("optimizer"):
                 opt.step()
                 opt.zero_grad()
     stats = doc.stats()
-    assert stats["steps"] == 8
+    assert stats["steps"] == 8 and doc.samples == 64
     assert stats["share"]["data"] > 0.5
+    assert stats["share"]["between"] < stats["share"]["data"] / 5
     tips = doc.tips()
     assert tips and tips[0].startswith(f"{100 * stats['share']['data']:.0f}% of each step waits")
     assert "num_workers is 0" in tips[0]
+    assert not any("outside the step" in t for t in tips)
     report = doc.report()
     assert "waiting for data" in report and "Tips:" in report
+
+
+def _busy(a: torch.Tensor, n: int) -> torch.Tensor:
+    """Sleep-free work of a measurable size, like evaluation or another model's step."""
+    for _ in range(n):
+        a = torch.tanh(a @ a)
+    return a
+
+
+def test_work_between_steps_is_not_a_data_wait() -> None:
+    """Work between steps with a cheap next() is 'outside the step': no num_workers tip."""
+    model = mlp()
+    other = torch.randn(192, 192) / 14
+    doc = loopkit.doctor(loader=[], sample_syncs_at=())
+    for batch in doc.iterate(batches([4] * 8)):
+        with doc:
+            loss_fn(model, batch).backward()
+        other = _busy(other, 20)  # the user's code between two steps
+    share = doc.stats()["share"]
+    assert share["between"] > 0.5
+    assert share["data"] < share["between"] / 20
+    tips = doc.tips()
+    assert tips[0].startswith(f"{100 * share['between']:.0f}% of each step is spent outside")
+    assert not any("num_workers" in t or "waits for data" in t for t in tips)
+    assert not any("doc.iterate" in t for t in tips)  # the data wait was timed on its own
+    assert "outside the step" in doc.report()
+
+
+def test_a_second_models_step_is_outside_the_step() -> None:
+    """GAN-style D and G steps, the doctor on D only: G's time is outside the step, not data."""
+    d_model, g_model = mlp(0), mlp(1, width=512)
+    doc = loopkit.doctor(sample_syncs_at=())
+    d_step = loopkit.step(d_model, torch.optim.SGD(d_model.parameters(), lr=0.1), doctor=doc)
+    g_step = loopkit.step(g_model, torch.optim.AdamW(g_model.parameters()))
+    big = [(torch.randn(256, 8), torch.randn(256, 1)) for _ in range(6)]
+    for batch in d_step.iterate(big):
+        with d_step as s:
+            s.backward(loss_fn(d_model, (batch[0][:4], batch[1][:4])))
+        for _ in range(3):
+            with g_step as s:
+                s.backward(loss_fn(g_model, batch))
+        print(f"step {d_step.updates}")  # prints between steps
+    share = doc.stats()["share"]
+    assert share["between"] > 3 * share["data"]
+    assert not any("num_workers" in t for t in doc.tips())
+
+
+def test_alone_without_iterate_the_gap_is_outside_the_step() -> None:
+    """Without doc.iterate a slow loader cannot be told apart: no data share, no num_workers."""
+    loader = torch.utils.data.DataLoader(SlowData(), batch_size=8)
+    model = mlp()
+    doc = loopkit.doctor(loader=loader, sample_syncs_at=())
+    for x, y in loader:
+        with doc:
+            loss_fn(model, (x, y)).backward()
+    stats = doc.stats()
+    assert stats["seconds"]["data"] == 0.0
+    assert stats["share"]["between"] > 0.5
+    tips = doc.tips()
+    assert not any("num_workers" in t for t in tips)
+    assert "outside the step" in tips[0] and "doc.iterate(loader)" in tips[0]
+    assert "waiting for data" not in doc.report()
 
 
 def test_item_every_step_is_counted_and_named() -> None:
@@ -216,3 +281,80 @@ def test_optimizer_step_counters_are_not_counted_as_syncs() -> None:
             loss.item()  # the one real sync per step
     assert doc.stats()["syncs_per_step"] == 1.0
     assert doc.stats()["sync_ops"] == {"Tensor.item": 4}
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+def test_fp16_on_a_cpu_gets_the_bf16_tip_first() -> None:
+    """loopkit.step(precision="fp16") on a CPU: the first tip says to use bf16; bf16 gets none."""
+    tips: dict[str, list[str]] = {}
+    for precision in ("fp16", "bf16"):
+        model = mlp()
+        doc = loopkit.doctor(sample_syncs_at=())
+        step = loopkit.step(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision, doctor=doc
+        )
+        for batch in step.iterate(batches([4] * 3)):
+            with step as s:
+                s.backward(loss_fn(model, batch))
+        assert doc.precision == precision and doc.device == torch.device("cpu")
+        tips[precision] = doc.tips()
+    assert "precision='bf16'" in tips["fp16"][0] and "fp16 on a CPU" in tips["fp16"][0]
+    assert not any("fp16 on a CPU" in t for t in tips["bf16"])
+
+
+def test_fp16_tip_needs_a_cpu() -> None:
+    """fp16 on a CUDA device gets no CPU tip; a doctor that knows no device gives none either."""
+    doc = loopkit.doctor(device="cuda", sample_syncs_at=())
+    doc.precision = "fp16"
+    assert doc.device == torch.device("cuda")
+    assert not any("fp16 on a CPU" in t for t in doc.tips())
+    doc.device = None
+    assert doc.device is None and not any("fp16 on a CPU" in t for t in doc.tips())
+    doc.device = "cpu"
+    assert any("fp16 on a CPU" in t for t in doc.tips())
+
+
+def test_loopkits_own_syncs_are_labelled_not_blamed_on_the_user() -> None:
+    """A read inside expected_sync is reported as loopkit's own, with no sync tip for it."""
+    model = mlp()
+    doc = loopkit.doctor(sample_syncs_at=(2, 3, 4), sample_syncs_every=None)
+    for batch in batches([4] * 5):
+        with doc:
+            loss = loss_fn(model, batch)
+            loss.backward()
+            with expected_sync("fp16's overflow check"):
+                torch.isfinite(loss).tolist()  # what the fp16 scaler reads once per update
+    stats = doc.stats()
+    assert stats["syncs_per_step"] == 0.0 and stats["sync_ops"] == {}
+    assert stats["expected_syncs_per_step"] == {"fp16's overflow check": 1.0}
+    assert "1.0 per step needed by fp16's overflow check" in doc.report()
+    assert not any("host-device syncs" in t for t in doc.tips())
+
+
+def test_the_device_changes_only_between_steps() -> None:
+    """Setting the doctor's device inside a step, or to a non-device, raises and keeps the old."""
+    doc = loopkit.doctor(device="cpu")
+    with doc, pytest.raises(RuntimeError, match="between steps"):
+        doc.device = "meta"
+    with pytest.raises(TypeError, match=r"str, int or torch\.device"):
+        doc.device = 2.5  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="is not a device"):
+        doc.device = "nodevice"
+    assert doc.device == torch.device("cpu")
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+def test_fp16_overflow_check_is_loopkits_own_sync() -> None:
+    """loopkit.step(precision="fp16"): the scaler's inf check is loopkit's sync, not the user's."""
+    model = mlp()
+    doc = loopkit.doctor(sample_syncs_at=(2, 3, 4), sample_syncs_every=None)
+    step = loopkit.step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", doctor=doc
+    )
+    for batch in step.iterate(batches([4] * 5)):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    stats = doc.stats()
+    assert stats["sync_ops"] == {}
+    assert stats["expected_syncs_per_step"] == {"fp16's overflow check": 1.0}
+    assert not any("host-device syncs" in t for t in doc.tips())

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import mlp
+from helpers import Store, StreamWithLen, mlp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -77,9 +77,106 @@ def _checkpointer(tmp: Path, **kw: Any) -> loopkit.Checkpointer:
     return loopkit.Checkpointer(tmp, **{"model": m, "optimizer": o, **kw})
 
 
+def _accumulate_with_plateau() -> None:
+    m, o = _model_opt()
+    loopkit.accumulate(m, o, 2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+
+
 def _maybe_save_zero(tmp: Path) -> None:
     m, o = _model_opt()
     loopkit.Checkpointer(tmp, model=m, step=loopkit.step(m, o)).maybe_save(every=0)
+
+
+# -- helpers for the rows issue 11 added (edges found by fuzzing and by porting scripts) --
+
+
+class _UncopyableMap(Store):
+    def __copy__(self) -> Any:
+        raise RuntimeError("holds an open file")
+
+
+def _doctor_device_inside() -> None:
+    doc = loopkit.doctor()
+    with doc:
+        doc.device = "cpu"
+
+
+def _syncs_reenter() -> None:
+    with loopkit.count_host_syncs() as syncs:
+        syncs.__enter__()
+
+
+def _log_changes_device() -> None:
+    log = loopkit.detach_logging(every=None, sink=None)
+    log(x=torch.tensor(1.0))
+    log(x=torch.tensor(1.0, device="meta"))
+
+
+def _checkpoint_inside_compiled() -> None:
+    m = mlp()
+    m.compile(backend="eager")
+    loopkit.checkpointed(m, blocks=nn.Linear)
+
+
+def _saved_step_checkpoint(tmp: Path, every: int = 2, precision: str = "fp32") -> Path:
+    m, o = _model_opt()
+    s = loopkit.step(m, o, accumulate=every, precision=precision)
+    for _ in range(every):
+        with s as st:
+            st.backward(m(torch.ones(2, 8)).sum())
+    path = loopkit.Checkpointer(tmp, model=m, optimizer=o, step=s).save()
+    assert path is not None
+    return path
+
+
+def _resume_with(tmp: Path, **step_kw: Any) -> None:
+    path = _saved_step_checkpoint(tmp)
+    m, o = _model_opt()
+    step = loopkit.step(m, o, **{"accumulate": 2, **step_kw})
+    loopkit.Checkpointer(tmp, model=m, optimizer=o, step=step).resume(path)
+
+
+def _resume_incomplete(tmp: Path) -> None:
+    state = torch.load(_saved_step_checkpoint(tmp), weights_only=True)
+    del state["rng"]
+    torch.save(state, tmp / "incomplete.pt")
+    m, o = _model_opt()
+    step = loopkit.step(m, o, accumulate=2)
+    loopkit.Checkpointer(tmp, model=m, optimizer=o, step=step).resume(tmp / "incomplete.pt")
+
+
+def _resume_mid_window(tmp: Path) -> None:
+    m, o = _model_opt()
+    s = loopkit.step(m, o, accumulate=2)
+    with s as st:
+        st.backward(m(torch.ones(2, 8)).sum())
+    loopkit.Checkpointer(tmp, model=m, optimizer=o, step=s).resume()
+
+
+def _loader_data(n: int) -> distributed.EpochLoader:
+    return distributed.loader(torch.utils.data.TensorDataset(torch.arange(n)), 4, num_workers=0)
+
+
+def _resume_other_data_length(tmp: Path) -> None:
+    m, o = _model_opt()
+    loopkit.Checkpointer(tmp, model=m, optimizer=o, loader=_loader_data(40)).save()
+    loopkit.Checkpointer(tmp, model=m, optimizer=o, loader=_loader_data(44)).resume()
+
+
+def _loader_bad_generator_state() -> None:
+    loader = _loader_data(8)
+    loader.load_state_dict({**loader.state_dict(), "generator": torch.zeros(3, dtype=torch.uint8)})
+
+
+def _two_steps_on_one_model() -> None:
+    m = mlp()
+    body = loopkit.step(m, torch.optim.SGD(list(m.parameters())[:2], lr=0.1))
+    head = loopkit.step(m, torch.optim.SGD(list(m.parameters())[2:], lr=0.1))
+    with body, head:
+        pass
+
+
+_DATA4 = torch.utils.data.TensorDataset(torch.ones(4))
 
 
 CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
@@ -177,12 +274,6 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         lambda t: loopkit.detach_logging(sink=None)(),
         TypeError,
         "log(loss=loss",
-    ),
-    (
-        "logging sync_ranks without a group",
-        lambda t: loopkit.detach_logging(sink=None, sync_ranks=True)(x=1.0),
-        RuntimeError,
-        "loopkit.distributed.setup()",
     ),
     # accumulate
     (
@@ -342,7 +433,64 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         loopkit.CheckpointError,
         "no such checkpoint",
     ),
-]
+    # -- issue 11: unclear errors found by fuzzing, and edges found by porting scripts --
+    ("LoggingSink logger not a logger", lambda t: loopkit.LoggingSink(print), TypeError,
+     "logging.getLogger(__name__)"),
+    ("LoggingSink level not an int", lambda t: loopkit.LoggingSink(level="INFO"), TypeError,
+     "such as logging.INFO"),
+    ("logging metric name not a str", lambda t: loopkit.detach_logging(sink=None).record({1: 1.0}),
+     TypeError, "must be str"),
+    ("logging number too large for a float",
+     lambda t: loopkit.detach_logging(sink=None)(n=10**400), ValueError, "too large"),
+    ("logging metric changes device", lambda t: _log_changes_device(), ValueError, "same device"),
+    ("autocast backward of a non-tensor",
+     lambda t: loopkit.autocast_step("bf16", device_type="cpu").backward(3.0), TypeError,
+     "loss must be a tensor"),
+    ("accumulate ReduceLROnPlateau scheduler",
+     lambda t: _accumulate_with_plateau(), TypeError, "scheduler.step(val_loss)"),
+    ("step one model two optimizers entered together", lambda t: _two_steps_on_one_model(),
+     RuntimeError, "both parameter groups to one optimizer"),
+    ("to_device uncopyable mapping",
+     lambda t: loopkit.to_device(_UncopyableMap({"x": torch.ones(1)}), "cpu"), TypeError,
+     "cannot copy a _UncopyableMap"),
+    ("count_host_syncs entered twice", lambda t: _syncs_reenter(), RuntimeError,
+     "already counting"),
+    ("count_host_syncs exited without entering",
+     lambda t: loopkit.count_host_syncs().__exit__(None, None, None), RuntimeError,
+     "without being entered"),
+    ("doctor device of the wrong type", lambda t: loopkit.doctor(device=2.5), TypeError,
+     "device must be a str, int or torch.device"),
+    ("doctor device that is not a device", lambda t: loopkit.doctor(device="nodevice"),
+     ValueError, "is not a device"),
+    ("doctor device changed inside a step", lambda t: _doctor_device_inside(), RuntimeError,
+     "between steps"),
+    ("checkpointed compiled module",
+     lambda t: loopkit.checkpointed(torch.compile(mlp(), backend="eager")), ValueError,
+     "Apply loopkit.checkpointed first, then compile"),
+    ("checkpointed blocks inside a compiled module", lambda t: _checkpoint_inside_compiled(),
+     ValueError, "Apply loopkit.checkpointed first, then compile"),
+    ("checkpointed call with use_cache",
+     lambda t: loopkit.checkpointed(mlp())(torch.ones(1, 8), use_cache=True), ValueError,
+     "model.config.use_cache = False"),
+    ("distributed loader seed None", lambda t: distributed.loader(_DATA4, 2, seed=None),
+     TypeError, "seed must be an integer (int or numpy integer) in [-2**63, 2**63 - 1]"),
+    ("distributed loader seed out of range", lambda t: distributed.loader(_DATA4, 2, seed=2**63),
+     ValueError, "seed must be in [-2**63, 2**63 - 1]"),
+    ("distributed loader iterable dataset with len",
+     lambda t: distributed.loader(StreamWithLen(), 2), TypeError, "an IterableDataset has not"),
+    ("distributed loader state with a bad generator", lambda t: _loader_bad_generator_state(),
+     ValueError, "'generator' is not a valid state"),
+    ("checkpointer resume mid-window", _resume_mid_window, RuntimeError,
+     "call it before the training loop"),
+    ("checkpointer resume other accumulate", lambda t: _resume_with(t, accumulate=4),
+     loopkit.CheckpointError, "build the step with accumulate=2"),
+    ("checkpointer resume other precision", lambda t: _resume_with(t, precision="fp16"),
+     loopkit.CheckpointError, "resume with the precision it was saved with"),
+    ("checkpointer resume incomplete file", _resume_incomplete, loopkit.CheckpointError,
+     "incomplete checkpoint: 'rng' is missing"),
+    ("checkpointer resume other data length", _resume_other_data_length, loopkit.CheckpointError,
+     "the data set has 44 samples but the state was saved with 40"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -366,7 +514,6 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "track_memory",
         "print_sink",
         "is_checkpointed",
-        "LoggingSink",
         "TensorBoardSink",
         "Sink",
         "Stateful",
@@ -385,6 +532,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "Checkpointer": "checkpointer",
         "load_checkpoint": "load",
         "doctor": "doctor",
+        "LoggingSink": "LoggingSink",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:
@@ -516,3 +664,53 @@ def test_nan_is_never_a_valid_number() -> None:
             loopkit.accumulate(m, o, **kwargs)
     with pytest.raises(ValueError):
         loopkit.detach_logging(every=math.nan)
+
+
+# -- wrong numbers (issue 11): right answers where loopkit used to compute wrong ones -------
+
+
+def _fp16_updates(limit: int | None) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 1))
+    step = loopkit.step(
+        model, _opt(model), precision="fp16", device="cpu", max_consecutive_skips=limit
+    )
+    g = torch.Generator().manual_seed(5)
+    for _ in range(16):  # activations of a few hundred: too big for the initial scale 65536
+        with step as s:
+            s.backward(model(torch.randn(16, 32, generator=g) * 30).float().pow(2).mean())
+    return step.updates, step.skipped
+
+
+def _log_sum_int64() -> float:
+    log = loopkit.detach_logging(every=None, sink=None, reduce="sum")
+    for n in (16_777_217, 1, 1):
+        log(tokens=torch.tensor(n))
+    return log.flush()["tokens"]
+
+
+def _log_max_of_floats_with_nan() -> float:
+    log = loopkit.detach_logging(every=None, sink=None, reduce="max")
+    for v in (1.0, math.nan, 2.0):
+        log(x=v)
+    return log.flush()["x"]
+
+
+NUMBERS: list[tuple[str, Callable[[], Any], Any]] = [
+    # GradScaler's start-up back-off is calibration, not divergence (K=3 < the skips it makes).
+    ("fp16 start-up back-off with max_consecutive_skips", lambda: _fp16_updates(3),
+     lambda: _fp16_updates(None)),
+    ("logging int64 sum is exact", _log_sum_int64, 16_777_219.0),
+    ("logging max over Python floats keeps a NaN", _log_max_of_floats_with_nan, math.nan),
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+@pytest.mark.parametrize(("name", "compute", "want"), NUMBERS, ids=[row[0] for row in NUMBERS])
+def test_numbers(name: str, compute: Callable[[], Any], want: Any) -> None:
+    """Each computation gives the right number (NaN where a NaN must surface)."""
+    got, want = compute(), want() if callable(want) else want
+    if isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got)
+    else:
+        assert got == want

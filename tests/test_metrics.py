@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import weakref
 from typing import Any
 
@@ -168,6 +169,12 @@ def test_tensorboard_sink_writes_scalars() -> None:
         (lambda: loopkit.detach_logging(sink=None)(loss="x"), TypeError, "scalar tensor"),
         (lambda: loopkit.detach_logging(sink=None)(), TypeError, "log(loss=loss"),
         (lambda: loopkit.detach_logging(sink=None)(3), TypeError, "keyword"),
+        (lambda: loopkit.detach_logging(sink=None).record({1: 1.0}), TypeError, "must be str"),
+        (lambda: loopkit.detach_logging(sink=None)(n=10**400), ValueError, "too large"),
+        (lambda: loopkit.LoggingSink(print), TypeError, "logging.getLogger(__name__)"),
+        (lambda: loopkit.LoggingSink(None), TypeError, "or a logger name"),
+        (lambda: loopkit.LoggingSink(level="INFO"), TypeError, "such as logging.INFO"),
+        (lambda: loopkit.LoggingSink(level=True), TypeError, "such as logging.INFO"),
     ],
 )
 def test_bad_input_is_refused_with_a_fix(call: Any, exc: type[Exception], hint: str) -> None:
@@ -186,3 +193,135 @@ def test_a_bad_call_records_nothing() -> None:
     log(x=torch.tensor(1.0))
     with pytest.raises(TypeError, match="same way"):
         log(x=1.0)
+
+
+def test_integer_and_float64_counters_sum_exactly() -> None:
+    """int64/float64 tensors and Python ints are summed in float64: 16777219, not 16777216."""
+    log = loopkit.detach_logging(every=None, sink=None, reduce="sum")
+    for n in (16_777_217, 1, 1):
+        log(i64=torch.tensor(n), f64=torch.tensor(float(n), dtype=torch.float64), py=n)
+    assert log.flush() == {"i64": 16_777_219.0, "f64": 16_777_219.0, "py": 16_777_219.0}
+
+
+def test_a_metric_logged_in_two_dtypes_is_not_rounded_to_the_narrower() -> None:
+    """int64 then float32 values of one metric: each is widened alone (stack would use float32)."""
+    log = loopkit.detach_logging(every=None, sink=None, reduce="sum")
+    log(x=torch.tensor(16_777_217))
+    log(x=torch.tensor(1.0))
+    assert log.flush() == {"x": 16_777_218.0}
+
+
+def test_mean_of_integers_and_bools() -> None:
+    """Integer and bool tensors (and Python ints) average as real numbers."""
+    log = loopkit.detach_logging(every=None, sink=None)
+    for i, b in ((1, True), (2, False), (2, True), (2, True)):
+        log(i=torch.tensor(i), b=torch.tensor(b), py=i)
+    assert log.flush() == {"i": 1.75, "b": 0.75, "py": 1.75}
+
+
+@pytest.mark.parametrize("how", ["max", "min", "mean", "sum"])
+@pytest.mark.parametrize("where", [0, 1, 2])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_nan_surfaces_for_every_input_type(how: str, where: int, as_tensor: bool) -> None:
+    """A NaN anywhere in the interval gives NaN, for Python floats and tensors alike."""
+    vals = [1.0, 2.0, -3.0]
+    vals[where] = math.nan
+    log = loopkit.detach_logging(every=None, sink=None, reduce=how)  # type: ignore[arg-type]
+    for v in vals:
+        log(x=torch.tensor(v) if as_tensor else v)
+    assert math.isnan(log.flush()["x"])
+
+
+@pytest.mark.parametrize(
+    "vals",
+    [[math.inf, -math.inf], [1e308, 1e308], [math.inf, 1.0], [-math.inf, math.nan], [5.0]],
+)
+@pytest.mark.parametrize("how", ["mean", "sum", "max", "min", "last"])
+def test_python_numbers_reduce_like_float64_tensors(vals: list[float], how: str) -> None:
+    """inf - inf, overflow, inf and NaN: Python floats give what float64 tensors give."""
+    results = []
+    for wrap in (float, lambda v: torch.tensor(v, dtype=torch.float64)):
+        log = loopkit.detach_logging(every=None, sink=None, reduce=how)  # type: ignore[arg-type]
+        for v in vals:
+            log(x=wrap(v))
+        results.append(log.flush()["x"])
+    py, tensor = results
+    assert py == tensor or (math.isnan(py) and math.isnan(tensor)), (py, tensor)
+
+
+def test_one_host_read_per_flush_with_mixed_dtypes() -> None:
+    """int64, float64, bf16, bool tensors and a Python float: still a single host read."""
+    log = loopkit.detach_logging(every=4, sink=None, reduce={"n": "sum", "peak": "max"})
+    with loopkit.count_host_syncs() as syncs:
+        for i in range(8):
+            log(
+                n=torch.tensor(i),
+                peak=torch.tensor(float(i), dtype=torch.float64),
+                loss=torch.tensor(0.5, dtype=torch.bfloat16),
+                hit=torch.tensor(i % 2 == 0),
+                lr=0.1,
+            )
+    assert syncs.count == 2, syncs.events
+    assert log.last == {"n": 22.0, "peak": 7.0, "loss": 0.5, "hit": 0.5, "lr": 0.1}
+
+
+def test_logging_sink_accepts_a_logger_adapter_and_a_level() -> None:
+    """LoggingSink takes a LoggerAdapter and an int level, and logs at that level."""
+    records: list[tuple[int, str]] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("loopkit.test.adapter")
+    logger.addHandler(Handler())
+    logger.setLevel(logging.DEBUG)
+    sink = loopkit.LoggingSink(logging.LoggerAdapter(logger, {}), level=logging.WARNING)
+    sink({"loss": 1.5}, step=3)
+    assert records == [(logging.WARNING, "step 3 | loss 1.5")]
+
+
+def test_sync_ranks_in_a_single_process_reduces_locally() -> None:
+    """sync_ranks=True with no process group: the same script runs, values reduce locally."""
+    got: list[dict[str, float]] = []
+    log = loopkit.detach_logging(every=2, sink=got.append, sync_ranks=True)
+    with loopkit.count_host_syncs() as syncs:
+        for v in (1.0, 2.0, 3.0, 5.0):
+            log(x=torch.tensor(v))
+    assert got == [{"x": 1.5}, {"x": 4.0}] and syncs.count == 2
+
+
+def test_a_flush_that_fails_inside_log_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the reduction raises, the call's values are taken back and the next flush is right."""
+    got: list[dict[str, float]] = []
+    log = loopkit.detach_logging(every=2, sink=got.append)
+    log(x=torch.tensor(1.0))
+
+    def broken(*args: Any) -> dict[str, float]:
+        raise RuntimeError("collective timed out")
+
+    monkeypatch.setattr(log, "_reduce", broken)
+    with pytest.raises(RuntimeError, match="timed out"):
+        log(x=torch.tensor(100.0), new=torch.tensor(5.0))
+    monkeypatch.undo()
+    assert log.step == 1 and list(log._values) == ["x"] and got == []
+    log(x=torch.tensor(3.0))
+    assert got == [{"x": 2.0}] and log.step == 2
+
+
+def test_a_metric_moving_to_another_device_is_refused() -> None:
+    """A metric logged from another device than before raises at once and records nothing."""
+    log = loopkit.detach_logging(every=None, sink=None)
+    log(x=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="same device"):
+        log(x=torch.tensor(2.0, device="meta"), y=torch.tensor(1.0))
+    assert log.step == 1 and log.flush() == {"x": 1.0}
+
+
+def test_cross_rank_logger_does_not_flush_while_an_exception_propagates() -> None:
+    """sync_ranks=True: leaving `with log:` on an error attempts no collective, keeps values."""
+    log = loopkit.detach_logging(every=None, sink=None, sync_ranks=True)
+    with pytest.raises(KeyError, match="boom"), log:
+        log(x=1.0)
+        raise KeyError("boom")
+    assert log.step == 1 and log._values == {"x": [1.0]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -233,3 +234,60 @@ def test_step_without_gradients_is_a_clear_error() -> None:
     amp.backward(used(torch.ones(1, 2)).sum())
     with pytest.raises(RuntimeError, match="no gradients"):
         amp.step(torch.optim.SGD(unused.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.01),
+    lambda p: torch.optim.AdamW(p, lr=0.01),
+])  # fmt: skip
+def test_an_error_between_unscale_and_step_does_not_leak_into_the_next_batch(
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+) -> None:
+    """Clipping raises after unscale_ on batch 2: batch 3 gets the update of a fresh run."""
+    data = _data(3)
+    torch.manual_seed(0)
+    model = _model()
+    fresh = copy.deepcopy(model)
+    opt, fresh_opt = make_opt(model.parameters()), make_opt(fresh.parameters())
+    amp = loopkit.autocast_step("fp16", device_type="cpu", scaler={"init_scale": 256.0})
+    fresh_amp = loopkit.autocast_step("fp16", device_type="cpu", scaler={"init_scale": 256.0})
+
+    def batch(m: nn.Module, o: torch.optim.Optimizer, a: Any, x: Any, y: Any, boom: bool) -> None:
+        with a:
+            loss = nn.functional.mse_loss(m(x).float(), y)
+        a.backward(loss * 1e30 if boom else loss)  # 1e30: the fp16 gradients overflow
+        try:
+            a.unscale_(o)
+            nn.utils.clip_grad_norm_(m.parameters(), 1e6, error_if_nonfinite=True)
+            a.step(o)
+        except RuntimeError:
+            assert boom
+        o.zero_grad(set_to_none=True)
+
+    for i, (x, y) in enumerate(data):
+        batch(model, opt, amp, x, y, boom=i == 1)
+        if i != 1:  # the fresh run never sees the failed batch
+            batch(fresh, fresh_opt, fresh_amp, x, y, boom=False)
+    _assert_bit_equal(_params(model), _params(fresh))
+    assert amp.state_dict()["scaler"]["scale"] == fresh_amp.state_dict()["scaler"]["scale"]
+
+
+def test_fp16_on_a_cpu_warns_once() -> None:
+    """fp16 autocast on a CPU warns (once per process) and names bf16."""
+    import loopkit._precision as precision
+
+    precision._warned_fp16_on_cpu = False
+    with pytest.warns(UserWarning, match="precision='bf16'"):
+        loopkit.autocast_step("fp16", device_type="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loopkit.autocast_step("fp16", device_type="cpu")
+        loopkit.autocast_step("bf16", device_type="cpu")
+
+
+def test_backward_of_a_non_tensor_is_a_clear_error() -> None:
+    """amp.backward(3.0) says a tensor is needed, before touching the scaler."""
+    amp = loopkit.autocast_step("fp16", device_type="cpu")
+    with pytest.raises(TypeError, match="loss must be a tensor"):
+        amp.backward(3.0)  # type: ignore[arg-type]
+    assert not amp._scaled

@@ -224,3 +224,27 @@ def test_log_metrics_needs_a_log() -> None:
     step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="log="), step as s:
         s.log_metrics(acc=1.0)
+
+
+def test_a_failed_micro_step_logs_nothing_under_the_next_one() -> None:
+    """An error after backward and log_metrics: the next record holds only its own values."""
+    model = mlp()
+    records: list[dict[str, float]] = []
+    step = loopkit.step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulate=2,
+        log=loopkit.detach_logging(every=1, sink=records.append),
+    )
+    data = batches([4] * 3)
+    with step as s:
+        s.backward(loss_fn(model, data[0]))
+        s.log_metrics(first=1.0)
+    with pytest.raises(ValueError, match="boom"), step as s:
+        s.backward(loss_fn(model, data[1]) * 0 + 123.0)
+        s.log_metrics(bad=7.0)
+        raise ValueError("boom")
+    with step as s:
+        s.log_metrics(acc=0.5)  # no backward: no loss of its own
+    assert [set(r) for r in records] == [{"first", "loss"}, {"acc"}]
+    assert records[1] == {"acc": 0.5}

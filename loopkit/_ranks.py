@@ -1,0 +1,87 @@
+"""Every exchange between ranks goes through here.
+
+Whether all ranks take the same decision (to skip an update, to raise, which metrics a
+flush holds) has one place to answer it: a decision that depends on one rank's data is
+made from the result of one of these collectives, which every rank receives alike.
+Each function is a no-op (or the local answer) when no process group is initialized, so
+single-process code calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = Any  # a torch.distributed ProcessGroup, or None for the default group
+
+
+def initialized() -> bool:
+    """Whether a process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world(group: Group = None) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group``; ``(0, 1)`` when not distributed."""
+    if not initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def is_multi_rank(group: Group = None) -> bool:
+    """Whether more than one rank takes part in ``group``."""
+    return initialized() and dist.get_world_size(group) > 1
+
+
+def comm_device(group: Group = None) -> torch.device:
+    """Where a tensor must live to be exchanged in ``group`` (the GPU for nccl)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place by sum over the ranks; returns it."""
+    if initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def any_(flag: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """A 0-d bool that is True on every rank if ``flag`` is True on any rank (no host read)."""
+    if not initialized():
+        return flag
+    t = flag.to(comm_device(group), torch.int32).reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t[0].to(flag.device).bool()
+
+
+def gather_rows(local: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Every rank's 1-D ``local`` as the rows of a ``(world, n)`` tensor, in one collective.
+
+    Every rank must pass the same length; callers make sure of it before calling.
+    """
+    if not is_multi_rank(group):
+        return local.reshape(1, -1)
+    world_size = dist.get_world_size(group)
+    out = torch.empty(world_size * local.numel(), dtype=local.dtype, device=local.device)
+    # all_gather_single is the newer name of all_gather_into_tensor (deprecated in 2.13).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local.contiguous(), group=group)
+    return out.view(world_size, -1)
+
+
+def gather_objects(obj: Any, group: Group = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (a host-level exchange)."""
+    if not is_multi_rank(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Group = None) -> None:
+    """Wait until every rank of ``group`` gets here."""
+    if is_multi_rank(group):
+        dist.barrier(group=group)

@@ -1,0 +1,260 @@
+"""accumulate at the edges under `torchrun --nproc-per-node 2`: every rank decides alike.
+
+Launched by test_accumulate_ddp.py; results land in OUT/<scenario>.rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import run_scenarios
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+
+SCENARIOS: dict[str, Callable[[distributed.DistInfo], dict[str, Any]]] = {}
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def scenario(fn: Callable[[distributed.DistInfo], dict[str, Any]]) -> Any:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def mlp(width: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 2))
+
+
+def data(sizes: list[int], seed: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for n in sizes]
+
+
+def mse(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    params = list(model.parameters())
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+    return torch.cat([p.detach().flatten() for p in full])
+
+
+def replicas(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def reference(windows: list[list[Batch]], lr: float = 0.05) -> torch.Tensor:
+    """One process: one SGD step per window on all ranks' micro-batches as one batch."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for window in windows:
+        x = torch.cat([b[0] for b in window])
+        y = torch.cat([b[1] for b in window])
+        mse(model, (x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(model)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@scenario
+def skip_nonfinite_on_one_rank(info: distributed.DistInfo) -> dict[str, Any]:
+    """An inf loss with finite gradients on rank 1 only: both ranks skip that update."""
+    net = distributed.wrap(mlp())
+    s = loopkit.step(net, sgd(net), accumulate=2, skip_nonfinite=True)
+    per_rank = [data([4] * 6, seed=20 + r) for r in range(2)]
+    for i, batch in enumerate(per_rank[info.rank]):
+        with s as st:
+            loss = mse(net, batch)
+            if i == 3 and info.rank == 1:
+                loss = loss + torch.tensor(float("inf"))  # the gradient stays finite
+            st.backward(loss)
+    # Window 1 (micro-batches 2 and 3) is skipped everywhere; windows 0 and 2 train.
+    windows = [[b for r in range(2) for b in per_rank[r][k : k + 2]] for k in (0, 4)]
+    return {
+        "counts": (s.updates, s.skipped),
+        "same": all(torch.equal(w, replicas(flat(net))[0]) for w in replicas(flat(net))),
+        "diff": (flat(net) - reference(windows)).abs().max().item(),
+    }
+
+
+@scenario
+def fsdp2_weighted(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 with weight= and a ragged tail: the update of one process on the global batch."""
+    sizes = [[2, 7, 3, 5, 4, 1, 6], [9, 1, 6, 3, 8, 2, 2]]
+    per_rank = [data(s, seed=30 + r) for r, s in enumerate(sizes)]
+    net = distributed.wrap(mlp(), fsdp=True)
+    s = loopkit.step(net, sgd(net), accumulate=3)
+    for batch in s.iterate(per_rank[info.rank]):
+        with s as st:
+            st.backward(mse(net, batch), weight=batch[0].shape[0])
+    windows = [[b for r in range(2) for b in per_rank[r][k : k + 3]] for k in (0, 3, 6)]
+    return {"updates": s.updates, "diff": (flat(net) - reference(windows)).abs().max().item()}
+
+
+@scenario
+def fsdp2_flush_is_refused_and_keeps_the_window(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 flush() of a no_sync window: refused, nothing changes; the next micro-step closes."""
+    per_rank = [data([4, 4], seed=40 + r) for r in range(2)]
+    net = distributed.wrap(mlp(), fsdp=True)
+    s = loopkit.step(net, sgd(net), accumulate=2)
+    before = flat(net)
+    with s as st:
+        st.backward(mse(net, per_rank[info.rank][0]))
+    error = ""
+    try:
+        s.flush()
+    except RuntimeError as err:
+        error = str(err)
+    unchanged = torch.equal(flat(net), before) and s.updates == 0 and s.accumulate.micro_step == 1
+    with s as st:  # the window's second micro-step syncs and closes it
+        st.backward(mse(net, per_rank[info.rank][1]))
+    window = [b for r in range(2) for b in per_rank[r]]
+    return {
+        "error": error,
+        "unchanged": unchanged,
+        "updates": s.updates,
+        "diff": (flat(net) - reference([window])).abs().max().item(),
+    }
+
+
+class TwoBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.never = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
+        return self.head(self.a(x) if use_a else self.b(x))
+
+
+def _two_branch_reference(per_rank: list[list[Batch]], lr: float) -> torch.Tensor:
+    """DDP's semantics by hand: each rank's mean micro-batch loss, averaged over ranks."""
+    m = TwoBranch()
+    opt = torch.optim.SGD(m.parameters(), lr=lr, weight_decay=0.1)
+    losses = [sum(mse_branch(m, b, r == 0) for b in per_rank[r]) / len(per_rank[r]) for r in (0, 1)]
+    (sum(losses) / 2).backward()
+    opt.step()
+    return flat(m)
+
+
+def mse_branch(m: nn.Module, batch: Batch, use_a: bool) -> torch.Tensor:
+    return nn.functional.mse_loss(m(batch[0], use_a), batch[1])
+
+
+@scenario
+def ddp_flush_with_unused_parameters(info: distributed.DistInfo) -> dict[str, Any]:
+    """find_unused_parameters: ranks use different branches; flush() aligns by parameter."""
+    per_rank = [data([4] * 3, seed=50 + r) for r in range(2)]
+    net: Any = distributed.wrap(TwoBranch(), find_unused_parameters=True)
+    # weight_decay: a parameter no rank used must keep grad None (a zero grad would decay it).
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=0.1)
+    s = loopkit.step(net, opt, accumulate=4)
+    never_before = net.module.never.weight.detach().clone()
+    for batch in per_rank[info.rank]:
+        with s as st:
+            st.backward(mse_branch(net, batch, info.rank == 0))
+    s.flush()  # the last micro-step ran under no_sync
+    w = torch.cat([p.detach().flatten() for p in net.module.parameters()])
+    return {
+        "updates": s.updates,
+        "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+        "diff": (w - _two_branch_reference(per_rank, 0.1)).abs().max().item(),
+        "never_moved": not torch.equal(net.module.never.weight, never_before),
+    }
+
+
+@scenario
+def ddp_last_micro_step_without_backward(info: distributed.DistInfo) -> dict[str, Any]:
+    """A window whose final micro-step makes no backward still all-reduces, aligned."""
+    per_rank = [data([4] * 2, seed=60 + r) for r in range(2)]
+    net: Any = distributed.wrap(TwoBranch(), find_unused_parameters=True)
+    s = loopkit.step(net, torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=0.1), accumulate=3)
+    for batch in per_rank[info.rank]:
+        with s as st:
+            st.backward(mse_branch(net, batch, info.rank == 0))
+    with s:
+        pass  # the window's last micro-step: nothing to back-propagate
+    w = torch.cat([p.detach().flatten() for p in net.module.parameters()])
+    return {
+        "updates": s.updates,
+        "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+        "diff": (w - _two_branch_reference(per_rank, 0.1)).abs().max().item(),
+    }
+
+
+class Poisoned(nn.Module):
+    """An MLP whose loss can put an inf into one element of the first weight's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 2)
+        self.poison = 0.0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        # Row 12 of fc1.weight lives in rank 1's shard (FSDP2 shards dim 0 in two halves):
+        # only that element's gradient becomes inf.
+        return out, self.fc1.weight[12, 0] * self.poison
+
+
+@scenario
+def fsdp2_fp16_overflow_in_one_shard(info: distributed.DistInfo) -> dict[str, Any]:
+    """fp16 under FSDP2: an inf only in rank 1's shard makes BOTH ranks skip, scales agree."""
+    model = Poisoned()
+    net = distributed.wrap(model, fsdp=True)
+    s = loopkit.step(net, sgd(net), precision="fp16", accumulate=1)
+    batches = data([4] * 3, seed=70)
+    before, kept = flat(net), False
+    for i, batch in enumerate(batches):
+        model.poison = float("inf") if (i == 1 and info.rank == 1) else 0.0
+        if i == 1:
+            before = flat(net)
+        with s as st:
+            out, penalty = net(batch[0])
+            st.backward(nn.functional.mse_loss(out, batch[1]) + penalty)
+        if i == 1:
+            kept = torch.equal(flat(net), before)
+    assert s.amp.scaler is not None
+    scale = torch.tensor([s.amp.scaler.get_scale()])
+    return {
+        "counts": (s.updates, s.skipped),
+        "kept": kept,
+        "scales_agree": all(torch.equal(x, scale) for x in replicas(scale)),
+        "same": all(torch.equal(x, replicas(flat(net))[0]) for x in replicas(flat(net))),
+    }
+
+
+@scenario
+def found_inf_agreement(info: distributed.DistInfo) -> dict[str, Any]:
+    """agree_found_inf (used for FSDP1 shards): one rank's inf flag becomes every rank's."""
+    from loopkit._precision import agree_found_inf
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = loopkit.autocast_step("fp16", device_type="cpu")
+    assert amp.scaler is not None
+    loss = model(torch.ones(1, 2)).sum() * (float("inf") if info.rank == 1 else 1.0)
+    amp.backward(loss)
+    amp.unscale_(opt)
+    flags = amp.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    local = float(sum(flags.values()))
+    agree_found_inf(amp.scaler, opt, None)
+    return {"local": local, "agreed": float(sum(flags.values())), "stepped": amp.step(opt)}
+
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS)

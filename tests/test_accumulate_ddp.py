@@ -1,0 +1,63 @@
+"""accumulate under DDP and FSDP2 at the edges: every rank takes the same decision, exactly.
+
+One torchrun launch (two gloo processes) runs every scenario of dist_edges_worker.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import launch_scenarios
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every scenario of dist_edges_worker.py, run once by two processes."""
+    return launch_scenarios("tests/dist_edges_worker.py", tmp_path_factory.mktemp("edges"))
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_update_on_every_rank(results: Any) -> None:
+    """skip_nonfinite: rank 1's inf loss skips window 2 on both ranks; replicas stay equal."""
+    for r in results["skip_nonfinite_on_one_rank"]:
+        assert r["counts"] == (2, 1) and r["same"] and r["diff"] < 1e-6
+
+
+def test_fsdp2_weights_are_summed_over_ranks(results: Any) -> None:
+    """FSDP2 + weight= with unequal sizes and a ragged tail equals the global large batch."""
+    for r in results["fsdp2_weighted"]:
+        assert r["updates"] == 3 and r["diff"] < 1e-5
+
+
+def test_fsdp2_flush_of_an_unsynced_window_changes_nothing(results: Any) -> None:
+    """FSDP2 flush() after a no_sync micro-step raises, keeps the window; the next one closes it."""
+    for r in results["fsdp2_flush_is_refused_and_keeps_the_window"]:
+        assert "cannot reduce its gradients afterwards" in r["error"] and r["unchanged"]
+        assert r["updates"] == 1 and r["diff"] < 1e-5
+
+
+def test_ddp_flush_aligns_gradients_by_parameter(results: Any) -> None:
+    """find_unused_parameters with rank-dependent branches: equal replicas, DDP's average."""
+    for r in results["ddp_flush_with_unused_parameters"]:
+        assert r["updates"] == 1 and r["same"] and r["diff"] < 1e-6
+        assert not r["never_moved"]  # unused on every rank: grad stays None, no weight decay
+
+
+def test_ddp_window_ending_without_backward_is_synced(results: Any) -> None:
+    """A final micro-step with no backward: the local gradients are all-reduced, aligned."""
+    for r in results["ddp_last_micro_step_without_backward"]:
+        assert r["updates"] == 1 and r["same"] and r["diff"] < 1e-6
+
+
+def test_fsdp2_fp16_skip_decision_is_agreed(results: Any) -> None:
+    """fp16 under FSDP2: an inf in one rank's shard skips the update on both, scales agree."""
+    for r in results["fsdp2_fp16_overflow_in_one_shard"]:
+        assert r["counts"] == (2, 1) and r["kept"] and r["scales_agree"] and r["same"]
+
+
+def test_sharded_inf_flags_are_agreed_before_the_skip_decision(results: Any) -> None:
+    """FSDP1's per-shard inf flag: after agree_found_inf both ranks see rank 1's inf and skip."""
+    rank0, rank1 = results["found_inf_agreement"]
+    assert (rank0["local"], rank1["local"]) == (0.0, 1.0)
+    assert rank0["agreed"] == rank1["agreed"] == 1.0
+    assert rank0["stepped"] is rank1["stepped"] is False
