@@ -23,7 +23,7 @@ from torch import nn
 
 from . import _ranks
 from ._core import ContextDecorator, is_int_at_least
-from ._precision import agree_found_inf, autocast_step
+from ._precision import agree_found_inf, autocast_step, mark_found_inf
 from ._sync import no_sync, sync_grads_now, sync_kind, unwrap
 from ._syncs import expected_sync
 
@@ -34,6 +34,15 @@ Weight: TypeAlias = "float | int | torch.Tensor"
 _BOUND: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[accumulate]] = (
     weakref.WeakKeyDictionary()
 )
+_FOREIGN = (
+    "this window made no backward of its own (acc.backward / step.backward), yet its "
+    "optimizer's parameters received gradients: from another step's backward through the "
+    "same model, or a loss.backward() called directly. One model with two optimizers in two "
+    "steps is not supported: give both parameter groups to one optimizer (per-group lr and "
+    "weight decay are kept). The window was dropped"
+)
+# _sync_by_hand's answer when no rank made a backward in the window.
+_NO_UPDATE = object()
 # Accumulates inside a micro-step right now (almost always none or one).
 _INSIDE: weakref.WeakSet[accumulate] = weakref.WeakSet()
 
@@ -42,6 +51,7 @@ class _Window:
     """What one accumulation window has seen; a new window is a new instance."""
 
     __slots__ = (
+        "cleared_foreign",
         "last_synced",
         "loss_finite",
         "micro",
@@ -59,6 +69,7 @@ class _Window:
         self.weight_min: torch.Tensor | None = None  # for weights that live on a device
         self.loss_finite: torch.Tensor | None = None  # device flag, when losses are watched
         self.last_synced = True  # whether the last backward ran with gradient sync
+        self.cleared_foreign = False  # gradients from elsewhere were cleared when it opened
 
 
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -105,8 +116,8 @@ class accumulate(ContextDecorator):
     clips, steps the optimizer (skipping inf/nan under fp16), steps the scheduler only if
     the optimizer really stepped, and zeroes the gradients; an exception anywhere in that
     sequence drops the window (gradients and GradScaler bookkeeping) and counts nothing.
-    ``skip_nonfinite=True`` (for bf16/fp32; fp16's scaler always skips) skips any update
-    whose loss or gradient norm is inf/nan on any rank, at the cost of one host read per
+    ``skip_nonfinite=True`` skips any update whose loss or gradient norm is inf/nan on any
+    rank (fp16's scaler skips inf/nan gradients anyway; a non-finite loss joins its flag), at the cost of one host read per
     update; ``max_consecutive_skips=K`` raises after K skipped updates in a row (under fp16,
     GradScaler's back-off while it calibrates is not counted: a skip counts when a loss was
     non-finite or the scale is already down to 1). ``acc.flush()`` after the loop (or
@@ -247,7 +258,7 @@ class accumulate(ContextDecorator):
         if window.micro == 0:
             # A window opens: gradients left by code outside it (another model's backward
             # through this one, a forward/backward outside the step) must not join its update.
-            self._clear_grads()
+            window.cleared_foreign = self._clear_grads()
         if not ending and self._no_sync is not None:
             # Entered before the forward: DDP decides at the forward whether to all-reduce.
             self._no_sync.__enter__()
@@ -380,8 +391,14 @@ class accumulate(ContextDecorator):
         return self._iterate(iterable)
 
     def _iterate(self, iterable: Iterable[T]) -> Iterator[T]:
-        if self._window.micro:
-            self.flush()
+        window = self._window
+        if window.micro:
+            if self._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
+                # FSDP cannot reduce the left-over gradients by hand: the first micro-step of
+                # this pass syncs and closes that window (the one case a window spans two).
+                self._final_pending = True
+            else:
+                self.flush()
         it = iter(iterable)
         try:
             nxt = next(it)
@@ -416,10 +433,21 @@ class accumulate(ContextDecorator):
                 "micro-batch of the data syncs"
             )
         try:
-            if window.n_backward == 0:
-                self._refuse_foreign_gradients()
+            if self._kind == "ddp" and not (window.n_backward and window.last_synced):
+                # Gradients still local: no rank made a synced backward in the window's last
+                # micro-step (had one rank made it, DDP would wait for every rank), so every
+                # rank is here and takes part in the by-hand all-reduce.
+                factor = self._sync_by_hand(window)
+                if factor is _NO_UPDATE:
+                    return False
+            elif window.n_backward == 0:
+                self._refuse_foreign_gradients(window)
                 return False
-            return self._update(window)
+            else:
+                # The factor that turns the summed micro-step gradients into the window's
+                # mean (validates device weights first: nothing below runs on a bad weight).
+                factor = self._normalization(window)
+            return self._update(window, factor)
         except BaseException:
             # The window is dropped as if it had never happened: no unscale recorded, no
             # inf flag, no scale update (its gradients go with the zero_grad below).
@@ -430,32 +458,26 @@ class accumulate(ContextDecorator):
             self.optimizer.zero_grad(set_to_none=True)
             self._window = _Window()
 
-    def _update(self, window: _Window) -> bool:
-        """The update, in order: sync, unscale, normalize, clip, guard, step, count, schedule."""
-        # 1. Gradients still local (the last backward ran under no_sync): all-reduce them.
-        if not window.last_synced and self._kind == "ddp":
-            sync_grads_now(self.model)
+    def _update(self, window: _Window, factor: Any) -> bool:
+        """The update, in order: unscale, normalize, clip, guard, step, count, schedule."""
         params = self._current_params()
-        # 2. The factor that turns the summed micro-step gradients into the window's mean
-        #    (validates device weights first: nothing below runs on a bad weight).
-        factor = self._normalization(window)
-        # 3. fp16: unscale, so that clipping and the guard see true gradients.
+        # 1. fp16: unscale, so that clipping and the guard see true gradients.
         amp = self.amp
         if self._fp16:
             assert amp is not None
             amp.unscale_(self.optimizer)
-        # 4. Normalize once, for the whole window.
+        # 2. Normalize once, for the whole window.
         if factor is not None:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 if isinstance(factor, torch.Tensor):
                     factor = factor.to(grads[0].device)
                 torch._foreach_mul_(grads, factor)
-        # 5. Clip. Returns a device tensor: no host sync (non-finite norms are left to the
+        # 3. Clip. Returns a device tensor: no host sync (non-finite norms are left to the
         #    fp16 skip or the non-finite guard, not raised).
         if self.clip_grad_norm is not None:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        # 6. Guard and step: fp16 skips on inf/nan by itself, the guard does for bf16/fp32.
+        # 4. Guard and step: fp16 skips on inf/nan by itself, the guard does for bf16/fp32.
         if self._fp16:
             assert amp is not None and amp.scaler is not None
             if self._kind == "fsdp1":
@@ -463,13 +485,17 @@ class accumulate(ContextDecorator):
                 # DTensor gradients need nothing: DTensor's unscale already takes the max
                 # of the flag over the mesh.)
                 agree_found_inf(amp.scaler, self.optimizer, self._group)
+            if self.skip_nonfinite:
+                # The scaler skips on inf/nan gradients; a non-finite loss with finite
+                # gradients (on any rank) must skip too: it joins the scaler's flag.
+                mark_found_inf(amp.scaler, self.optimizer, self._loss_bad(window))
             stepped = amp.step(self.optimizer)
         elif self.skip_nonfinite and not self._finite(params, window):
             stepped = False
         else:
             self.optimizer.step()
             stepped = True
-        # 7. Count, and step the scheduler only for a real update.
+        # 5. Count, and step the scheduler only for a real update.
         if stepped:
             self.updates += 1
             self._consecutive_skips = 0
@@ -488,33 +514,89 @@ class accumulate(ContextDecorator):
                 )
         return stepped
 
-    def _refuse_foreign_gradients(self) -> None:
-        # The window was opened with cleared gradients and made no backward of its own: any
-        # gradient now on its parameters came from another step's backward.
-        if any(p.grad is not None for p in self._current_params()):
-            raise RuntimeError(
-                "this window made no backward of its own (acc.backward / step.backward), yet "
-                "its optimizer's parameters received gradients: from another step's backward "
-                "through the same model, or a loss.backward() called directly. One model with "
-                "two optimizers in two steps is not supported: give both parameter groups to "
-                "one optimizer (per-group lr and weight decay are kept). The window was dropped"
+    def _refuse_foreign_gradients(self, window: _Window) -> None:
+        # The window made no backward of its own. Gradients on its parameters now, or
+        # cleared when it opened, came from a backward it did not make: its parameters are
+        # trained by another step's backward, and would silently never be updated.
+        if window.cleared_foreign or self._has_grads():
+            raise RuntimeError(_FOREIGN)
+
+    def _sync_by_hand(self, window: _Window) -> Any:
+        """All-reduce a DDP window's local gradients; the factor every rank normalizes by.
+
+        One collective carries the gradients (aligned by parameter) and what the factor
+        needs: backward counts, weight sums, the weight reference, a bad-weight and a
+        foreign-gradient flag. Every decision below is made from those reduced values, so it
+        is the same on every rank, even on a rank that made no backward at all.
+        """
+        weighted = bool(window.weighted)
+        weight_sum: Any = window.weight_sum if weighted else 0.0
+        bad: Any = 0.0
+        if window.weight_min is not None:
+            bad = ~(torch.isfinite(window.weight_min) & (window.weight_min > 0))
+        with expected_sync("the weights' check"):
+            # Host-device syncs, only on this rare path and only for weights on a device.
+            weight_sum, bad = float(weight_sum), float(bad)
+            w_ref = float(self._w_ref) if weighted else 0.0
+        n = window.n_backward
+        extras = [
+            0.0 if weighted else float(n),  # unweighted backward calls
+            float(n) if weighted else 0.0,  # weighted backward calls
+            weight_sum,
+            w_ref,
+            1.0 if weighted else 0.0,  # ranks whose weight reference is in the sum above
+            bad,
+            float(window.cleared_foreign or (n == 0 and self._has_grads())),
+        ]
+        n_plain, n_weighted, total, ref_sum, refs, bad_ranks, foreign = sync_grads_now(
+            self.model, extras
+        )
+        if foreign:
+            raise RuntimeError(_FOREIGN)
+        if bad_ranks:
+            raise ValueError(
+                "a weight of this window was not positive and finite: weights must be "
+                "positive and finite (the update was not made and the window's gradients "
+                "were dropped)"
             )
+        if n_plain and n_weighted:
+            raise ValueError(
+                "some ranks passed weight= in this window and others did not: pass weight= on "
+                "every micro-step of every rank, or on none"
+            )
+        world = _ranks.world(self._group)[1]
+        if n_weighted:
+            return world * (ref_sum / refs) / total
+        if n_plain:
+            return self.every * world / n_plain
+        return _NO_UPDATE
+
+    def _has_grads(self) -> bool:
+        return any(p.grad is not None for p in self._current_params())
 
     def _finite(self, params: list[torch.Tensor], window: _Window) -> bool:
         norm = self.grad_norm if self.clip_grad_norm is not None else None
         if norm is None:
             grads = [p.grad for p in params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        ok = torch.isfinite(norm)
-        if window.loss_finite is not None:
-            ok = ok & window.loss_finite.to(ok.device)
-        # Every rank must take the same decision: a non-finite loss on one rank skips the
-        # update everywhere (the norm is the same on every rank, its loss is not).
-        ok = ~_ranks.any_(~ok, self._group) if self._kind != "none" else ok
+        # Every rank takes the same decision: a non-finite loss on one rank skips the update
+        # everywhere (the norm is the same on every rank, its loss is not).
+        ok = torch.isfinite(norm) & ~self._loss_bad(window).to(norm.device)
         # Host-device sync, once per update and only with skip_nonfinite: whether to step
         # is a host decision, and no weight may see a non-finite update.
         with expected_sync("skip_nonfinite's check"):
             return bool(ok.item())
+
+    def _loss_bad(self, window: _Window) -> torch.Tensor:
+        """A 0-d bool, the same on every rank: whether any rank's window had a non-finite loss.
+
+        A collective under DDP/FSDP (every rank calls it: the settings that ask for it are
+        the same everywhere); no host sync.
+        """
+        bad = torch.zeros((), dtype=torch.bool)
+        if window.loss_finite is not None:
+            bad = window.loss_finite.logical_not()
+        return _ranks.any_(bad, self._group) if self._kind != "none" else bad
 
     def _skip_counts(self, window: _Window) -> bool:
         """Whether a skipped update counts toward ``max_consecutive_skips``."""
@@ -524,16 +606,11 @@ class accumulate(ContextDecorator):
         # skips are calibration, not divergence. A skip counts when a loss was non-finite
         # (on any rank), or when the scale has no room left to back off.
         assert self.amp is not None and self.amp.scaler is not None
-        bad = window.loss_finite is not None and window.loss_finite.logical_not()
+        bad = self._loss_bad(window)
         with expected_sync("max_consecutive_skips' check"):
-            if isinstance(bad, torch.Tensor):
-                if self._kind != "none":
-                    bad = _ranks.any_(bad, self._group)
-                # Host-device sync, only on a skipped fp16 update with a skip limit.
-                if bool(bad.item()):
-                    return True
-            # Host-device sync (the scale), same condition.
-            return self.amp.scaler.get_scale() <= 1.0
+            # Host-device syncs (the flag, the scale), only on a skipped fp16 update with a
+            # skip limit.
+            return bool(bad.item()) or self.amp.scaler.get_scale() <= 1.0
 
     def _normalization(self, window: _Window) -> Any:
         n = window.n_backward
@@ -569,10 +646,14 @@ class accumulate(ContextDecorator):
                 )
         return factor
 
-    def _clear_grads(self) -> None:
+    def _clear_grads(self) -> bool:
+        """Set the optimizer's gradients to None; whether there were any (no sync)."""
+        found = False
         for p in self._current_params():
             if p.grad is not None:
                 p.grad = None
+                found = True
+        return found
 
     def _current_params(self) -> list[torch.Tensor]:
         if len(self.optimizer.param_groups) != self._n_groups:

@@ -115,6 +115,19 @@ def agree_found_inf(
         flag.copy_(_ranks.any_(flag > 0, group).to(flag.dtype))
 
 
+def _grad_fingerprint(params: list[torch.Tensor]) -> tuple[Any, ...]:
+    """Which gradient tensors the parameters hold (not their values: clipping changes those)."""
+    return tuple(None if p.grad is None else id(p.grad) for p in params)
+
+
+def mark_found_inf(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, bad: torch.Tensor
+) -> None:
+    """Add ``bad`` (a 0-d bool) to the optimizer's recorded inf/nan flag, in place (no sync)."""
+    for flag in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        flag.copy_(torch.maximum(flag, bad.to(flag.device, flag.dtype)))
+
+
 class autocast_step(ContextDecorator):
     """Mixed precision as a context manager or decorator; fp16 also owns a GradScaler.
 
@@ -153,7 +166,8 @@ class autocast_step(ContextDecorator):
         # Set by a scaled backward, cleared by step: an fp16 step with no scaled backward
         # would unscale gradients that were never scaled.
         self._scaled = False
-        self._unscaled: set[int] = set()
+        # optimizer id -> its parameters and their gradients as unscale_ left them.
+        self._unscaled: dict[int, tuple[list[torch.Tensor], tuple[Any, ...]]] = {}
 
     def _make_autocast(self) -> torch.autocast:
         if not torch.amp.is_autocast_available(self.device_type):
@@ -238,11 +252,14 @@ class autocast_step(ContextDecorator):
         if self.scaler is None:
             return loss
         if self._unscaled:
-            # Gradients were unscaled but never stepped (clipping or optimizer.step raised and
-            # the caller went on): that window is over. Forget its bookkeeping, or this
-            # window's unscale_ would be skipped and its scaled gradients applied.
-            for opt_id in list(self._unscaled):
-                self._forget(opt_id)
+            # An optimizer unscaled but never stepped whose gradients were cleared since
+            # (clipping or optimizer.step raised, the caller called zero_grad and went on):
+            # that window is over. Forget its bookkeeping, or the next unscale_ would be skipped and
+            # scaled gradients applied. One whose gradients are untouched (a second loss
+            # back-propagated before stepping several optimizers) keeps its record.
+            for opt_id, (params, seen) in list(self._unscaled.items()):
+                if _grad_fingerprint(params) != seen:
+                    self._forget(opt_id)
         self._scaled = True
         return self.scaler.scale(loss)
 
@@ -264,7 +281,7 @@ class autocast_step(ContextDecorator):
     def _forget(self, opt_id: int) -> None:
         assert self.scaler is not None
         self.scaler._per_optimizer_states.pop(opt_id, None)
-        self._unscaled.discard(opt_id)
+        self._unscaled.pop(opt_id, None)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's gradients in place (fp16); call before clipping them."""
@@ -272,7 +289,8 @@ class autocast_step(ContextDecorator):
             return
         self._require_scaled()
         self.scaler.unscale_(optimizer)
-        self._unscaled.add(id(optimizer))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._unscaled[id(optimizer)] = (params, _grad_fingerprint(params))
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Step the optimizers; for fp16 skip any whose gradients hold inf/nan, then update.

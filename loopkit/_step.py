@@ -117,9 +117,15 @@ class step:
     # -- the micro-step -----------------------------------------------------------------------
 
     def __enter__(self) -> step:
-        if self.doctor is not None:
-            self.doctor.__enter__()
-        self.accumulate.__enter__()
+        doc = self.doctor
+        if doc is not None:
+            doc.__enter__()
+        try:
+            self.accumulate.__enter__()
+        except BaseException as err:
+            if doc is not None:  # nothing of this micro-step stays entered
+                doc.__exit__(type(err), err, err.__traceback__)
+            raise
         if self._autocast_on:
             self.amp.__enter__()
             self._in_autocast = True

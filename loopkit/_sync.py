@@ -8,6 +8,7 @@ the previous setting is restored on exit rather than forced back to True.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -134,7 +135,7 @@ def _fsdp2_requires_sync(module: Any) -> bool:
     return all(g.reduce_grads for g in groups) if groups else True
 
 
-def sync_grads_now(model: nn.Module) -> None:
+def sync_grads_now(model: nn.Module, extras: Sequence[float] = ()) -> list[float]:
     """All-reduce (average) the gradients of a DDP model by hand, as DDP's backward would.
 
     Used when a window ends on a micro-step that ran under no_sync (a ragged window closed
@@ -143,39 +144,49 @@ def sync_grads_now(model: nn.Module) -> None:
     whose forwards used different parameters (``find_unused_parameters=True``) each send
     zeros for the ones they lack, plus a presence count. As with DDP, a parameter used on
     any rank gets the average over all ranks; one used on none keeps ``grad is None``.
+    ``extras`` (numbers every rank sends) come back summed over the ranks, from the same
+    collective.
     """
     m: Any = unwrap(model)
     params = [p for p in m.parameters() if p.requires_grad]
-    if not params:
-        return
     group = getattr(m, "process_group", None)
     world = _ranks.world(group)[1]
+    buckets = _by_dtype_and_device(params)
+    # One float64 vector carries the presence counts of every bucket and the extras.
+    present = [float(p.grad is not None) for bucket in buckets for p in bucket]
+    meta = torch.tensor(present + list(extras), dtype=torch.float64,
+                        device=params[0].device if params else "cpu")  # fmt: skip
     with torch.no_grad():
-        for bucket in _by_dtype_and_device(params):
-            present = [p.grad is not None for p in bucket]
-            flat = torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                    for p in bucket
-                ]
-                # The presence counts ride in the same all-reduce (exact in any float dtype
-                # for any realistic world size).
-                + [torch.tensor(present, dtype=bucket[0].dtype, device=bucket[0].device)]
+        flats = [
+            torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b]
             )
+            for b in buckets
+        ]
+        for flat in flats:
             _ranks.sum_(flat, group)
-            counts = flat[-len(bucket) :]
-            flat = flat[: -len(bucket)].div_(world)
+        _ranks.sum_(meta, group)
+        # Host-device sync: which parameters got a gradient anywhere decides whether their
+        # .grad exists, a host-side fact (only in this rare by-hand path).
+        reduced = meta.tolist()
+        used = iter(reduced[: len(present)])
+        for bucket, flat in zip(buckets, flats, strict=True):
+            flat.div_(world)
             offset = 0
-            # Host-device sync: which parameters got a gradient anywhere decides whether
-            # their .grad exists, a host-side fact (only in this rare by-hand path).
-            used = (counts > 0).tolist()
-            for p, anywhere in zip(bucket, used, strict=True):
+            for p in bucket:
                 synced = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
+                anywhere = next(used) > 0
                 if p.grad is not None:
                     p.grad.copy_(synced)
                 elif anywhere:
                     p.grad = synced.clone()
+    if getattr(m, "find_unused_parameters", False):
+        # DDP's reducer remembers which parameters this rank used in its no_sync steps and
+        # would treat them as used in the next synced backward, although their gradients
+        # were just reduced here and are cleared before that window: forget them.
+        m.reducer._reset_state()
+    return reduced[len(present) :]
 
 
 def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

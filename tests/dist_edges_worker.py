@@ -71,8 +71,16 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 @scenario
 def skip_nonfinite_on_one_rank(info: distributed.DistInfo) -> dict[str, Any]:
     """An inf loss with finite gradients on rank 1 only: both ranks skip that update."""
+    return {p: _skip_nonfinite_on_one_rank(info, p) for p in ("fp32", "fp16")}
+
+
+def _skip_nonfinite_on_one_rank(info: distributed.DistInfo, precision: str) -> dict[str, Any]:
     net = distributed.wrap(mlp())
-    s = loopkit.step(net, sgd(net), accumulate=2, skip_nonfinite=True)
+    # fp16: a small initial scale, so that no start-up back-off skips an update too.
+    scaler = {"init_scale": 256.0} if precision == "fp16" else None
+    s = loopkit.step(net, sgd(net), accumulate=2, skip_nonfinite=True, precision=precision)
+    if scaler is not None:
+        s.amp.load_state_dict({"scaler": torch.amp.GradScaler("cpu", **scaler).state_dict()})
     per_rank = [data([4] * 6, seed=20 + r) for r in range(2)]
     for i, batch in enumerate(per_rank[info.rank]):
         with s as st:
@@ -85,6 +93,7 @@ def skip_nonfinite_on_one_rank(info: distributed.DistInfo) -> dict[str, Any]:
     return {
         "counts": (s.updates, s.skipped),
         "same": all(torch.equal(w, replicas(flat(net))[0]) for w in replicas(flat(net))),
+        # fp16's autocast forward rounds: compare it loosely, fp32 exactly.
         "diff": (flat(net) - reference(windows)).abs().max().item(),
     }
 
@@ -192,6 +201,78 @@ def ddp_last_micro_step_without_backward(info: distributed.DistInfo) -> dict[str
         "updates": s.updates,
         "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
         "diff": (w - _two_branch_reference(per_rank, 0.1)).abs().max().item(),
+    }
+
+
+@scenario
+def ddp_flush_with_unused_parameters_then_train_on(info: distributed.DistInfo) -> dict[str, Any]:
+    """After a flushed window with rank-dependent branches, later synced windows still work."""
+    per_rank = [data([4] * 3, seed=80 + r) for r in range(2)]
+    net: Any = distributed.wrap(TwoBranch(), find_unused_parameters=True)
+    s = loopkit.step(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), accumulate=2)
+    with s as st:  # a ragged window: rank 0 through branch a, rank 1 through b
+        st.backward(mse_branch(net, per_rank[info.rank][0], info.rank == 0))
+    s.flush()
+    for batch in s.iterate(per_rank[info.rank][1:]):  # then both through a
+        with s as st:
+            st.backward(mse_branch(net, batch, True))
+    ref = TwoBranch()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    (sum(mse_branch(ref, per_rank[r][0], r == 0) for r in (0, 1)) / 2).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    (sum(mse_branch(ref, b, True) for r in (0, 1) for b in per_rank[r][1:]) / 4).backward()
+    opt.step()
+    w = torch.cat([p.detach().flatten() for p in net.module.parameters()])
+    return {
+        "updates": s.updates,
+        "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+        "diff": (w - flat(ref)).abs().max().item(),
+    }
+
+
+@scenario
+def ddp_flush_with_a_rank_without_backward(info: distributed.DistInfo) -> dict[str, Any]:
+    """flush() of a window in which rank 1 made no backward: both ranks take part, alike."""
+    per_rank = [data([4] * 2, seed=90 + r) for r in range(2)]
+    net = distributed.wrap(mlp())
+    s = loopkit.step(net, sgd(net), accumulate=4)
+    for batch in per_rank[info.rank]:
+        with s as st:
+            if info.rank == 0:
+                st.backward(mse(net, batch))
+    s.flush()
+    # DDP's semantics: rank 0's mean micro-batch loss, averaged over the ranks' micro-steps.
+    w = flat(net)
+    return {
+        "updates": s.updates,
+        "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+        "diff": (w - reference([per_rank[0]])).abs().max().item(),
+    }
+
+
+@scenario
+def fsdp2_iterate_after_a_refused_flush(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2: after a refused flush, the next iterate() closes the left-over window and trains."""
+    per_rank = [data([4] * 4, seed=95 + r) for r in range(2)]
+    net = distributed.wrap(mlp(), fsdp=True)
+    s = loopkit.step(net, sgd(net), accumulate=3)
+    for batch in per_rank[info.rank][:2]:  # 2 of 3, no iterate: the last ran without sync
+        with s as st:
+            st.backward(mse(net, batch))
+    refused = False
+    try:
+        s.flush()
+    except RuntimeError:
+        refused = True
+    for batch in s.iterate(per_rank[info.rank][2:]):
+        with s as st:
+            st.backward(mse(net, batch))
+    windows = [[b for r in range(2) for b in per_rank[r][k : k + n]] for k, n in ((0, 3), (3, 1))]
+    return {
+        "refused": refused,
+        "updates": s.updates,
+        "diff": (flat(net) - reference(windows)).abs().max().item(),
     }
 
 

@@ -605,3 +605,36 @@ def test_a_scheduler_that_needs_a_metric_is_refused() -> None:
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
     with pytest.raises(TypeError, match=r"scheduler.step\(val_loss\)"):
         loopkit.accumulate(model, opt, every=2, scheduler=plateau)
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+def test_fp16_skip_nonfinite_skips_a_non_finite_loss_with_finite_gradients() -> None:
+    """fp16 + skip_nonfinite: an inf constant in the loss (finite gradients) skips the update."""
+    model = mlp()
+    before: list[torch.Tensor] = []
+    amp = loopkit.autocast_step("fp16", device_type="cpu", scaler={"init_scale": 256.0})
+    acc = loopkit.accumulate(model, OPTIMIZERS["sgd"](model), every=1, amp=amp,
+                             skip_nonfinite=True)  # fmt: skip
+    for i, batch in enumerate(batches([4] * 3)):
+        if i == 1:
+            before = params(model)
+        with acc, amp:
+            loss = loss_fn(model, batch)
+            acc.backward(loss + torch.tensor(float("inf")) if i == 1 else loss)
+        if i == 1:
+            assert_close(params(model), before, atol=0)
+    assert (acc.updates, acc.skipped) == (2, 1)
+
+
+def test_two_steps_of_one_model_entered_one_after_the_other_are_refused() -> None:
+    """The head's step never makes a backward: its first window raises, not trains nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    body = loopkit.accumulate(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+    head = loopkit.accumulate(model, torch.optim.SGD(model[2].parameters(), lr=0.1))
+    batch = batches([4])[0]
+    with body:
+        body.backward(loss_fn(model, batch))  # also writes the head's gradients
+    with pytest.raises(RuntimeError, match="no backward of its own"), head:
+        pass
+    assert head.updates == 0 and head.micro_step == 0

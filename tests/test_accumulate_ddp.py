@@ -18,9 +18,28 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
 
 
 def test_a_non_finite_loss_on_one_rank_skips_the_update_on_every_rank(results: Any) -> None:
-    """skip_nonfinite: rank 1's inf loss skips window 2 on both ranks; replicas stay equal."""
+    """skip_nonfinite (fp32 and fp16): rank 1's inf loss skips window 2 on both ranks."""
     for r in results["skip_nonfinite_on_one_rank"]:
-        assert r["counts"] == (2, 1) and r["same"] and r["diff"] < 1e-6
+        assert r["fp32"]["counts"] == (2, 1) and r["fp32"]["same"] and r["fp32"]["diff"] < 1e-6
+        assert r["fp16"]["counts"] == (2, 1) and r["fp16"]["same"] and r["fp16"]["diff"] < 1e-2
+
+
+def test_ddp_training_goes_on_after_a_flush_with_unused_parameters(results: Any) -> None:
+    """DDP's reducer forgets the no_sync steps' used parameters: the next windows are exact."""
+    for r in results["ddp_flush_with_unused_parameters_then_train_on"]:
+        assert r["updates"] == 2 and r["same"] and r["diff"] < 1e-6
+
+
+def test_ddp_flush_with_a_rank_that_made_no_backward(results: Any) -> None:
+    """Both ranks join the by-hand all-reduce and normalize by the micro-steps made anywhere."""
+    for r in results["ddp_flush_with_a_rank_without_backward"]:
+        assert r["updates"] == 1 and r["same"] and r["diff"] < 1e-6
+
+
+def test_fsdp2_iterate_after_a_refused_flush_trains_on(results: Any) -> None:
+    """FSDP2: the refused window is closed by the next iterate's first micro-step, exactly."""
+    for r in results["fsdp2_iterate_after_a_refused_flush"]:
+        assert r["refused"] and r["updates"] == 2 and r["diff"] < 1e-5
 
 
 def test_fsdp2_weights_are_summed_over_ranks(results: Any) -> None:

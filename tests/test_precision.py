@@ -291,3 +291,36 @@ def test_backward_of_a_non_tensor_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="loss must be a tensor"):
         amp.backward(3.0)  # type: ignore[arg-type]
     assert not amp._scaled
+
+
+def test_unscale_then_another_backward_then_step_matches_grad_scaler() -> None:
+    """unscale_(opt0) + clip, then loss1's backward, then step(opt0, opt1): as GradScaler does."""
+
+    def run(use_loopkit: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        m0, m1 = _model(), _model()
+        o0 = torch.optim.SGD(m0.parameters(), lr=0.1)
+        o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+        x, y = _data(1)[0]
+        amp = loopkit.autocast_step("fp16", device_type="cpu", scaler={"init_scale": 256.0})
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            l0 = nn.functional.mse_loss(m0(x).float(), y)
+            l1 = nn.functional.mse_loss(m1(x).float(), y)
+        if use_loopkit:
+            amp.backward(l0)
+            amp.unscale_(o0)
+            nn.utils.clip_grad_norm_(m0.parameters(), 100.0)
+            amp.backward(l1)  # o0's gradients are untouched: its unscale stands
+            assert amp.step(o0, o1)
+        else:
+            scaler.scale(l0).backward()
+            scaler.unscale_(o0)
+            nn.utils.clip_grad_norm_(m0.parameters(), 100.0)
+            scaler.scale(l1).backward()
+            scaler.step(o0)
+            scaler.step(o1)
+            scaler.update()
+        return _params(m0) + _params(m1)
+
+    _assert_bit_equal(run(True), run(False))

@@ -248,3 +248,18 @@ def test_a_failed_micro_step_logs_nothing_under_the_next_one() -> None:
         s.log_metrics(acc=0.5)  # no backward: no loss of its own
     assert [set(r) for r in records] == [{"first", "loss"}, {"acc"}]
     assert records[1] == {"acc": 0.5}
+
+
+def test_a_refused_micro_step_leaves_the_doctor_outside_the_step() -> None:
+    """accumulate refuses the entry (two steps of one model): the doctor is not left inside."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    doc = loopkit.doctor()
+    body = loopkit.step(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+    head = loopkit.step(model, torch.optim.SGD(model[2].parameters(), lr=0.1), doctor=doc)
+    with body, pytest.raises(RuntimeError, match="one optimizer"), head:
+        pass
+    assert not doc._inside and doc.steps == 0
+    with head as s:  # the doctor takes the next step normally
+        s.backward(model(torch.ones(2, 8)).sum())
+    assert doc.steps == 1
