@@ -117,13 +117,13 @@ class accumulate(ContextDecorator):
     the optimizer really stepped, and zeroes the gradients; an exception anywhere in that
     sequence drops the window (gradients and GradScaler bookkeeping) and counts nothing.
     ``skip_nonfinite=True`` skips any update whose loss or gradient norm is inf/nan on any
-    rank (fp16's scaler skips inf/nan gradients anyway; a non-finite loss joins its flag), at the cost of one host read per
-    update; ``max_consecutive_skips=K`` raises after K skipped updates in a row (under fp16,
-    GradScaler's back-off while it calibrates is not counted: a skip counts when a loss was
-    non-finite or the scale is already down to 1). ``acc.flush()`` after the loop (or
-    ``for batch in acc.iterate(loader)``, which knows where the data ends) closes a ragged
-    last window with exact normalization. A micro-step left without backward counts toward
-    ``every`` but contributes nothing.
+    rank (fp16's scaler skips inf/nan gradients anyway; a non-finite loss joins its flag),
+    at the cost of one host read per update; ``max_consecutive_skips=K`` raises after K
+    skipped updates in a row (under fp16, GradScaler's back-off while it calibrates is not
+    counted: a skip counts when a loss was non-finite or the scale is already down to 1).
+    ``acc.flush()`` after the loop (or ``for batch in acc.iterate(loader)``, which knows
+    where the data ends) closes a ragged last window with exact normalization. A micro-step
+    left without backward counts toward ``every`` but contributes nothing.
     """
 
     every: int

@@ -154,7 +154,11 @@ class Checkpointer:
         if loader is not None and not isinstance(loader, EpochLoader):
             raise TypeError(
                 "loader must be a loopkit.distributed.loader(...) (it can skip to the batch "
-                f"where the run stopped), got {type(loader).__name__}"
+                "where the run stopped and draws each batch's random numbers from a key a "
+                f"resume reproduces), got {type(loader).__name__}. It takes your dataset and "
+                "every DataLoader argument but the sampler (collate_fn, prefetch_factor, ...); "
+                "with a DataLoader of your own, leave loader= out: the RNG states are restored, "
+                "the position in the epoch and workers' random streams are not"
             )
         extra = dict(extra or {})
         for name, obj in extra.items():

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+
+from loopkit import distributed
 
 torch.set_num_threads(1)
 
@@ -15,3 +22,22 @@ requires_cuda = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def process_group(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo group: DDP still runs its all-reduce machinery, so it can be counted.
+
+    The test's DDP models are freed while the group lives, and the group is torn down by
+    loopkit.distributed.teardown, which lets gloo's workers drop their finished work (a
+    comm hook's Python callback) first: destroying a group whose last reference a DDP
+    reducer holds, or while its workers still free Python objects, deadlocks in torch.
+    """
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        gc.collect()
+        distributed.teardown()

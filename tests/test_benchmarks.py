@@ -90,3 +90,13 @@ def test_speedups_benchmark_quick_counts() -> None:
     pinned = rows["pin_memory + non_blocking copies"]
     if not torch.cuda.is_available():
         assert pinned["result"] == "skipped: no GPU"
+
+
+def test_data_seeding_benchmark_quick_rows() -> None:
+    """data_seeding.py --quick: one row per worker count, with both rates and the reseed cost."""
+    rows = _json("benchmarks/data_seeding.py", "--quick", "--workers", "0")
+    assert [r["workers"] for r in rows] == [0]
+    for r in rows:
+        assert r["samples"] == 2048 and r["batch"] == 256
+        assert r["plain_samples_per_s"] > 0 and r["loopkit_samples_per_s"] > 0
+        assert r["seeding_us_per_batch"] > 0 and r["seeding_share_percent"] > 0

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import requires_cuda
 from helpers import batches, loss_fn, mlp
 from torch import nn
@@ -196,21 +195,17 @@ def test_off_means_no_doctor_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
 
 
-def test_ddp_all_reduces_are_timed(tmp_path: Path) -> None:
+def test_ddp_all_reduces_are_timed(process_group: None) -> None:
     """On a DDP model the doctor wraps the default all-reduce with a clock (once)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
-    try:
-        ddp = nn.parallel.DistributedDataParallel(mlp())
-        doc = loopkit.doctor(sample_syncs_at=())
-        step = loopkit.step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), doctor=doc)
-        assert doc.watch(ddp) is False  # a second hook is refused, not stacked
-        for batch in batches([4] * 3):
-            with step as s:
-                s.backward(loss_fn(ddp, batch))
-        assert doc.stats()["seconds"]["communication"] > 0
-        assert "communication" in doc.report()
-    finally:
-        dist.destroy_process_group()
+    ddp = nn.parallel.DistributedDataParallel(mlp())
+    doc = loopkit.doctor(sample_syncs_at=())
+    step = loopkit.step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), doctor=doc)
+    assert doc.watch(ddp) is False  # a second hook is refused, not stacked
+    for batch in batches([4] * 3):
+        with step as s:
+            s.backward(loss_fn(ddp, batch))
+    assert doc.stats()["seconds"]["communication"] > 0
+    assert "communication" in doc.report()
 
 
 def test_report_at_exit_and_every(tmp_path: Path) -> None:

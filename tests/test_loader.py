@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import StreamWithLen
+from torch import nn
 
+import loopkit
 from loopkit import distributed
 
 
@@ -127,3 +130,119 @@ def test_a_loaded_state_continues_the_same_batches_and_round_trips(taken: int) -
         assert done.epoch == source.epoch == 3
         assert done.loader.generator is not None and source.loader.generator is not None
         assert torch.equal(done.loader.generator.get_state(), source.loader.generator.get_state())
+
+
+# -- data randomness as a pure function of (seed, epoch, rank, batch index) (issue 12) -----
+
+
+class Augmenting(torch.utils.data.Dataset[torch.Tensor]):
+    """Draws from python's, numpy's and torch's global RNGs in __getitem__, as pipelines do."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        flip = random.random()
+        noise = float(np.random.normal())
+        return torch.stack([torch.tensor(float(i)), torch.tensor(flip), torch.tensor(noise),
+                            torch.rand(())])  # fmt: skip
+
+
+def _noisy_collate(items: list[torch.Tensor]) -> torch.Tensor:
+    """A collate_fn that draws too (MixUp-like): it runs under the batch's key as well."""
+    return torch.stack(items) + torch.rand(len(items), 1)
+
+
+def _stream(num_workers: int, epochs: int = 2, **kw: Any) -> list[torch.Tensor]:
+    loader = distributed.loader(Augmenting(), batch_size=4, num_workers=num_workers, seed=9,
+                                collate_fn=_noisy_collate, **kw)  # fmt: skip
+    return [batch for _ in range(epochs) for batch in loader]
+
+
+def _acc(every: int) -> loopkit.accumulate:
+    model = nn.Linear(1, 1)
+    return loopkit.accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), every)
+
+
+def _rng_states() -> tuple[Any, ...]:
+    return random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+
+
+def _same_rng(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize(
+    ("workers", "persistent"), [(1, True), (2, True), (2, False)], ids=["1", "2", "2-fresh"]
+)
+def test_augmented_batches_do_not_depend_on_the_workers(workers: int, persistent: bool) -> None:
+    """Random augmentation (and a random collate) gives the same batches with 0, 1, 2 workers."""
+    plain = _stream(0)
+    assert not torch.equal(plain[0][:, 1:], plain[8][:, 1:])  # epochs draw anew
+    for a, b in zip(plain, _stream(workers, persistent_workers=persistent), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_loader_leaves_the_training_rngs_untouched() -> None:
+    """num_workers=0: fetching batches (lookahead included) draws nothing from the global RNGs."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    acc = _acc(2)
+    loader = distributed.loader(Augmenting(), batch_size=4, num_workers=0, seed=9)
+    before = _rng_states()
+    for _ in acc.iterate(loader):
+        pass
+    assert _same_rng(before, _rng_states())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dropout_masks_are_the_same_whatever_the_workers(workers: int) -> None:
+    """The training side's dropout draws the same masks with 0 or 2 loader workers."""
+
+    def masks(num_workers: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        drop = nn.Dropout(0.5)
+        loader = distributed.loader(Augmenting(), batch_size=4, num_workers=num_workers, seed=9)
+        return [drop(torch.ones(4, 16)) for _ in loader]
+
+    assert all(torch.equal(a, b) for a, b in zip(masks(0), masks(workers), strict=True))
+
+
+def test_a_resumed_pass_draws_the_same_augmentation() -> None:
+    """A state taken mid-pass (with iterate's lookahead) resumes into the same augmented batches."""
+    whole = _stream(0)
+    source = distributed.loader(Augmenting(), batch_size=4, num_workers=0, seed=9,
+                                collate_fn=_noisy_collate)  # fmt: skip
+    acc = _acc(1)
+    for k, _ in enumerate(acc.iterate(source)):
+        if k == 2:  # 3 batches handed out, a 4th held back by the lookahead
+            state = source.state_dict(consumed=source.position - acc.lookahead)
+            break
+    resumed = distributed.loader(Augmenting(), batch_size=4, num_workers=2, seed=9,
+                                 collate_fn=_noisy_collate)  # fmt: skip
+    resumed.load_state_dict(state)
+    rest = [b for _ in range(2) for b in resumed]
+    assert len(rest) == len(whole) - 3
+    assert all(torch.equal(a, b) for a, b in zip(whole[3:], rest, strict=True))
+
+
+def test_sampler_arguments_are_refused() -> None:
+    """loader() shards, batches and seeds itself: sampler, batch_sampler, ... are refused."""
+    for name in ("sampler", "batch_sampler", "worker_init_fn", "generator"):
+        with pytest.raises(TypeError, match=f"sets {name} itself"):
+            distributed.loader(_data(), batch_size=4, num_workers=0, **{name: None})
+
+
+def test_a_world_size_change_is_refused(tmp_path: Any) -> None:
+    """A checkpoint written by 2 processes, resumed by 1: CheckpointError, nothing loaded."""
+    model = nn.Linear(2, 1)
+    ckpt = loopkit.Checkpointer(tmp_path, model=model,
+                                loader=distributed.loader(_data(), 4, num_workers=0))  # fmt: skip
+    path = ckpt.save()
+    assert path is not None
+    state = torch.load(path, weights_only=True)
+    state["world_size"], state["rng"] = 2, state["rng"] * 2
+    torch.save(state, path)
+    with pytest.raises(loopkit.CheckpointError, match="same number of processes"):
+        ckpt.resume()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,18 +10,6 @@ import torch.distributed as dist
 from helpers import batches, counted_ddp, loss_fn, mlp, params, twin
 
 import loopkit
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    """A one-process gloo group: DDP still runs its all-reduce machinery, so it can be counted."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_plain_module_is_a_no_op() -> None:
