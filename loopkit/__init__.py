@@ -2,42 +2,91 @@
 
 Keep your ``for batch in loader:`` loop; add mixed precision, gradient accumulation,
 activation checkpointing, DDP and sync-free logging one line at a time.
+
+Public names load on first use (PEP 562), so ``import loopkit`` costs nothing and
+``python -m loopkit.lint`` runs where torch is not installed.
 """
 
-from ._accumulate import accumulate
-from ._checkpoint import checkpointed, is_checkpointed
-from ._device import to_device
-from ._doctor import doctor
-from ._memory import track_memory
-from ._metrics import LoggingSink, Sink, TensorBoardSink, detach_logging, print_sink
-from ._precision import Precision, autocast_step
-from ._resume import Checkpointer, CheckpointError, Stateful, load_checkpoint
-from ._step import step
-from ._sync import no_sync
-from ._syncs import count_host_syncs
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "CheckpointError",
-    "Checkpointer",
-    "LoggingSink",
-    "Precision",
-    "Sink",
-    "Stateful",
-    "TensorBoardSink",
-    "__version__",
-    "accumulate",
-    "autocast_step",
-    "checkpointed",
-    "count_host_syncs",
-    "detach_logging",
-    "doctor",
-    "is_checkpointed",
-    "load_checkpoint",
-    "no_sync",
-    "print_sink",
-    "step",
-    "to_device",
-    "track_memory",
-]
+# public name -> the private module that defines it
+_WHERE: dict[str, str] = {
+    "accumulate": "_accumulate",
+    "checkpointed": "_recompute",
+    "is_checkpointed": "_recompute",
+    "to_device": "_to_device",
+    "doctor": "_doctor",
+    "track_memory": "_memory",
+    "LoggingSink": "_logging",
+    "TensorBoardSink": "_logging",
+    "detach_logging": "_logging",
+    "print_sink": "_logging",
+    "autocast_step": "_precision",
+    "Checkpointer": "_checkpointer",
+    "load_checkpoint": "_checkpointer",
+    "step": "_step",
+    "no_sync": "_grad_sync",
+    "count_host_syncs": "_host_syncs",
+    "CheckpointError": "_errors",
+    "LoopkitError": "_errors",
+    "DeviceLike": "_types",
+    "Precision": "_types",
+    "Scheduler": "_types",
+    "Sink": "_types",
+    "Stateful": "_types",
+    "SyncKind": "_types",
+    "Weight": "_types",
+}
+_SUBMODULES = frozenset({"distributed", "lint"})
+
+__all__ = sorted([*_WHERE, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
+    globals()[name] = value  # the next access is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE, *_SUBMODULES})
+
+
+if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
+    from . import distributed as distributed
+    from . import lint as lint
+    from ._accumulate import accumulate as accumulate
+    from ._checkpointer import Checkpointer as Checkpointer
+    from ._checkpointer import load_checkpoint as load_checkpoint
+    from ._doctor import doctor as doctor
+    from ._errors import CheckpointError as CheckpointError
+    from ._errors import LoopkitError as LoopkitError
+    from ._grad_sync import no_sync as no_sync
+    from ._host_syncs import count_host_syncs as count_host_syncs
+    from ._logging import LoggingSink as LoggingSink
+    from ._logging import TensorBoardSink as TensorBoardSink
+    from ._logging import detach_logging as detach_logging
+    from ._logging import print_sink as print_sink
+    from ._memory import track_memory as track_memory
+    from ._precision import autocast_step as autocast_step
+    from ._recompute import checkpointed as checkpointed
+    from ._recompute import is_checkpointed as is_checkpointed
+    from ._step import step as step
+    from ._to_device import to_device as to_device
+    from ._types import DeviceLike as DeviceLike
+    from ._types import Precision as Precision
+    from ._types import Scheduler as Scheduler
+    from ._types import Sink as Sink
+    from ._types import Stateful as Stateful
+    from ._types import SyncKind as SyncKind
+    from ._types import Weight as Weight

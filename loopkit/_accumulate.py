@@ -11,24 +11,25 @@ bit-identical to the hand-written ``loss / N`` loop when N is a power of two.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from . import _ranks
-from ._core import ContextDecorator, is_int_at_least
+from ._checks import is_int_at_least
+from ._grad_sync import no_sync, sync_grads_now, sync_kind, unwrap
+from ._host_syncs import expected_sync
 from ._precision import agree_found_inf, autocast_step, mark_found_inf
-from ._sync import no_sync, sync_grads_now, sync_kind, unwrap
-from ._syncs import expected_sync
+from ._types import Weight
 
 T = TypeVar("T")
-Weight: TypeAlias = "float | int | torch.Tensor"
 
 # optimizer -> the accumulate bound to it; catches `accumulate(...)` rebuilt every iteration.
 _BOUND: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[accumulate]] = (
@@ -104,7 +105,7 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-class accumulate(ContextDecorator):
+class accumulate(contextlib.ContextDecorator):
     """Accumulate gradients over ``every`` micro-batches, then update once, exactly.
 
     Build it once before the loop; enter ``with acc:`` around each micro-batch's forward

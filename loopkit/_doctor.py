@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._core import is_int_at_least, parse_device
-from ._syncs import _CudaSyncCounter, count_host_syncs
+from ._checks import is_int_at_least
+from ._devices import parse_device
+from ._host_syncs import _CudaSyncCounter, count_host_syncs
 
 T = TypeVar("T")
 
@@ -300,7 +301,7 @@ class doctor:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
-        from ._sync import unwrap
+        from ._grad_sync import unwrap
 
         ddp = unwrap(model)
         if not isinstance(ddp, DistributedDataParallel):

@@ -34,7 +34,7 @@ from torch.utils.data import (
 )
 from torch.utils.data import default_collate as _default_collate
 
-from ._core import is_int_at_least
+from ._checks import is_int_at_least
 
 Key = tuple[int, int, int, int]  # (seed, epoch, rank, batch index)
 

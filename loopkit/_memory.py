@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ._core import OpCallback, OpObserver
+from ._dispatch import OpCallback, OpObserver
 
 
 def _allocations(owner: track_memory) -> OpCallback:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
 import torch
 
 from . import _ranks
-from ._core import ContextDecorator, DeviceLike, default_device
-from ._syncs import expected_sync
-
-Precision: TypeAlias = Literal["bf16", "fp16", "fp32"]
-PrecisionLike: TypeAlias = "Precision | str | torch.dtype"
+from ._devices import default_device
+from ._host_syncs import expected_sync
+from ._types import DeviceLike, Precision, PrecisionLike
 
 _PRECISIONS: dict[object, Precision] = {
     "bf16": "bf16",
@@ -128,7 +127,7 @@ def mark_found_inf(
         flag.copy_(torch.maximum(flag, bad.to(flag.device, flag.dtype)))
 
 
-class autocast_step(ContextDecorator):
+class autocast_step(contextlib.ContextDecorator):
     """Mixed precision as a context manager or decorator; fp16 also owns a GradScaler.
 
     ``with amp:`` (or ``@amp``) runs the forward under ``torch.autocast`` for the device;

@@ -29,14 +29,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._accumulate import Weight
 from ._accumulate import accumulate as accumulate_
-from ._core import DeviceLike, is_int_at_least, resolve_device
-from ._device import _Mover
+from ._checks import is_int_at_least
+from ._devices import model_device, resolve_device, same_device
 from ._doctor import doctor as doctor_
-from ._metrics import detach_logging, print_sink
-from ._precision import PrecisionLike, autocast_step
-from ._sync import unwrap
+from ._grad_sync import unwrap
+from ._logging import detach_logging, print_sink
+from ._precision import autocast_step
+from ._to_device import _Mover
+from ._types import DeviceLike, PrecisionLike, Weight
 
 T = TypeVar("T")
 
@@ -74,15 +75,15 @@ class step:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        model_device = _model_device(model)
-        target = model_device if device is None else resolve_device(device)
+        here = model_device(unwrap(model))
+        target = here if device is None else resolve_device(device)
         if (
-            model_device is not None
+            here is not None
             and target is not None
-            and not _same_device(model_device, target)
+            and not same_device(here, target)
         ):
             raise ValueError(
-                f"the model is on {model_device} but device={str(target)!r}: move the model "
+                f"the model is on {here} but device={str(target)!r}: move the model "
                 f"first (model.to({str(target)!r})), then build the step"
             )
         self.device: torch.device = target if target is not None else torch.device("cpu")
@@ -261,21 +262,3 @@ def _make_log(log: detach_logging | int | None) -> detach_logging | None:
             f"micro-steps) or None, got {log!r}"
         )
     return detach_logging(every=log, sink=print_sink)
-
-
-def _model_device(model: nn.Module) -> torch.device | None:
-    for p in unwrap(model).parameters():
-        return p.device
-    return None
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    if a.type == "cpu":
-        return True
-    module: Any = getattr(torch, a.type, None)
-    current = module.current_device() if hasattr(module, "current_device") else 0
-    idx_a = a.index if a.index is not None else current
-    idx_b = b.index if b.index is not None else current
-    return bool(idx_a == idx_b)

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checkpoint import Blocks
+from ._grad_sync import sync_kind
 from ._loader import EpochLoader, default_num_workers, loader
-from ._sync import sync_kind
+from ._recompute import Blocks
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -200,7 +200,7 @@ def wrap(
         from torch.distributed.fsdp import fully_shard
 
         if fsdp is not True:
-            from ._checkpoint import _select
+            from ._recompute import _select
 
             for block in _select(model, fsdp, 1):
                 fully_shard(block)

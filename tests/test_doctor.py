@@ -16,7 +16,7 @@ from torch import nn
 
 import loopkit
 from loopkit import _doctor
-from loopkit._syncs import expected_sync
+from loopkit._host_syncs import expected_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,8 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 
-from ._core import DeviceLike, resolve_device
+from ._devices import resolve_device
+from ._types import DeviceLike
 
 T = TypeVar("T")
 P = ParamSpec("P")

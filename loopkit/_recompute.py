@@ -41,7 +41,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._core import is_int_at_least
+from ._checks import is_int_at_least
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=nn.Module)

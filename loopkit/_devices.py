@@ -1,28 +1,13 @@
-"""Private core shared by every middleware: device resolution and the decorator engine."""
+"""Devices: parse what users write, check this machine has it, and compare devices."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import nn
 
-DeviceLike: TypeAlias = "str | int | torch.device"
-
-
-class ContextDecorator(contextlib.ContextDecorator):
-    """Base of every middleware: a reusable context manager that also decorates functions.
-
-    ``@mw`` and ``with mw:`` enter the same object, so a middleware keeps one set of
-    semantics whichever way it is used.
-    """
-
-
-def is_int_at_least(value: object, low: int) -> bool:
-    """Whether ``value`` is a real int (not a bool, not a float such as nan) and >= ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+from ._types import DeviceLike
 
 
 def parse_device(device: object) -> torch.device:
@@ -68,31 +53,29 @@ def default_device() -> torch.device:
     return acc if acc is not None else torch.device("cpu")
 
 
-# (op, args, kwargs, result) for every aten op; the result is None before the op has run.
-OpCallback: TypeAlias = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]
+def local_device(local_rank: int = 0) -> torch.device:
+    """This process's device in a job: its local rank's accelerator, else the CPU."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc.type, local_rank % max(torch.accelerator.device_count(), 1))
 
 
-class OpObserver(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Runs every aten op unchanged and shows it to ``before`` and/or ``after``.
+def model_device(model: nn.Module) -> torch.device | None:
+    """Where the (unwrapped) model's first parameter lives; None for a model without any."""
+    for p in model.parameters():
+        return p.device
+    return None
 
-    The one dispatch-level hook behind ``count_host_syncs`` and ``track_memory``.
-    """
 
-    def __init__(self, before: OpCallback | None = None, after: OpCallback | None = None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.before, self.after = before, after
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if self.before is not None:
-            self.before(func, args, kwargs, None)
-        out = func(*args, **kwargs)
-        if self.after is not None:
-            self.after(func, args, kwargs, out)
-        return out
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one, an index-less accelerator meaning the current one."""
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    module: Any = getattr(torch, a.type, None)
+    current = module.current_device() if hasattr(module, "current_device") else 0
+    idx_a = a.index if a.index is not None else current
+    idx_b = b.index if b.index is not None else current
+    return bool(idx_a == idx_b)

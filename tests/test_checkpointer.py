@@ -527,7 +527,7 @@ def test_a_temporary_removed_before_its_lock_is_taken_is_written_afresh(
     """A clean-up that deletes our temporary before we lock it: the save starts a new one."""
     import fcntl
 
-    from loopkit import _resume
+    from loopkit import _checkpointer
 
     real_flock = fcntl.flock
     blocking_locks: list[int] = []
@@ -540,7 +540,7 @@ def test_a_temporary_removed_before_its_lock_is_taken_is_written_afresh(
                     tmp.unlink()  # as another process's clean-up would, holding the lock
         real_flock(fd, op)
 
-    monkeypatch.setattr(_resume.fcntl, "flock", racing_flock)
+    monkeypatch.setattr(_checkpointer.fcntl, "flock", racing_flock)
     run = _setup(tmp_path)
     path = run["ckpt"].save()
     assert path is not None and len(blocking_locks) == 2  # the first one lost, redone
@@ -668,16 +668,16 @@ def test_save_writes_now_and_cancels_a_deferred_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """maybe_save on an epoch's last window waits; save() then writes once, and nothing later."""
-    from loopkit import _resume
+    from loopkit import _checkpointer
 
     written: list[str] = []
-    real = _resume._atomic_save
+    real = _checkpointer._atomic_save
 
     def counted(state: Any, path: Path) -> None:
         written.append(path.name)
         real(state, path)
 
-    monkeypatch.setattr(_resume, "_atomic_save", counted)
+    monkeypatch.setattr(_checkpointer, "_atomic_save", counted)
     run = _per_epoch_run(tmp_path)
     step, loader, model = run["step"], run["loader"], run["model"]
     for x, y in step.iterate(loader):

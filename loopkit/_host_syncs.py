@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._core import OpCallback, OpObserver
+from ._dispatch import OpCallback, OpObserver
 
 # Python-level reads: on the CPU ``tolist``/``numpy`` reach no aten op, so only a
 # function mode sees them.

@@ -32,7 +32,7 @@ import time
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,10 +40,12 @@ from torch import nn
 
 from . import _ranks
 from ._accumulate import accumulate
-from ._core import is_int_at_least
+from ._checks import is_int_at_least
+from ._errors import CheckpointError
+from ._grad_sync import sync_kind, unwrap
 from ._precision import autocast_step
 from ._step import step as Step
-from ._sync import sync_kind, unwrap
+from ._types import Stateful
 from .distributed import EpochLoader
 
 if sys.platform != "win32":
@@ -54,18 +56,6 @@ _NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
 _TEMPORARIES = ".ckpt-*.tmp*"
 # The GradScaler.load_state_dict reads these.
 _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be used: unreadable, unsafe, or for another setup."""
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything a checkpoint can carry: it gives and takes a state dict."""
-
-    def state_dict(self) -> Any: ...
-    def load_state_dict(self, state: Any, /) -> Any: ...
 
 
 def _rng_state() -> dict[str, Any]:

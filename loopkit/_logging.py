@@ -9,27 +9,17 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal, Protocol, TypeAlias, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
 from . import _ranks
-from ._core import is_int_at_least
+from ._checks import is_int_at_least
+from ._types import Reduction, Sink
 
-Reduction: TypeAlias = Literal["mean", "sum", "max", "min", "last"]
 _REDUCTIONS: frozenset[str] = frozenset({"mean", "sum", "max", "min", "last"})
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Sink(Protocol):
-    """Where reduced metrics go: any callable taking the dict of floats.
-
-    A sink that also declares a ``step`` keyword receives the number of ``log(...)``
-    calls made so far.
-    """
-
-    def __call__(self, metrics: dict[str, float], /) -> object: ...
 
 
 def print_sink(metrics: dict[str, float], *, step: int) -> None:

@@ -8,6 +8,7 @@ the previous setting is restored on exit rather than forced back to True.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _ranks
-from ._core import ContextDecorator
+from ._types import SyncKind
 
 try:  # FSDP2, public since torch 2.6
     from torch.distributed.fsdp import FSDPModule
@@ -54,7 +55,7 @@ def _is_sync_wrapper(m: nn.Module) -> bool:
     )
 
 
-def sync_kind(model: nn.Module) -> str:
+def sync_kind(model: nn.Module) -> SyncKind:
     """``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or ``"none"`` for what synchronizes ``model``."""
     m = unwrap(model)
     if isinstance(m, DistributedDataParallel):
@@ -68,7 +69,7 @@ def sync_kind(model: nn.Module) -> str:
     return "none"
 
 
-class no_sync(ContextDecorator):
+class no_sync(contextlib.ContextDecorator):
     """Suppress gradient synchronization for the forward *and* backward inside it.
 
     Works on DDP, FSDP1 and FSDP2 models (also under ``torch.compile``); a plain module

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import (
 )
 
 import loopkit
-from loopkit._syncs import _CudaSyncCounter, expected_sync
+from loopkit._host_syncs import _CudaSyncCounter, expected_sync
 
 _x = torch.randn(4)
 _s = torch.tensor(1.5)

@@ -1,0 +1,12 @@
+"""loopkit's exceptions: one base, so ``except loopkit.LoopkitError`` catches what loopkit raises
+for its own reasons. Bad arguments keep raising the built-in ``TypeError``/``ValueError``."""
+
+from __future__ import annotations
+
+
+class LoopkitError(Exception):
+    """Base of the errors loopkit raises for its own reasons (not for a bad argument)."""
+
+
+class CheckpointError(LoopkitError, RuntimeError):
+    """A checkpoint file that cannot be used: unreadable, unsafe, or for another setup."""
