@@ -22,13 +22,13 @@ _WHERE: dict[str, str] = {
     "to_device": "_to_device",
     "doctor": "_doctor",
     "track_memory": "_memory",
-    "LoggingSink": "_logging",
-    "TensorBoardSink": "_logging",
+    "LoggingSink": "_sinks",
+    "TensorBoardSink": "_sinks",
     "detach_logging": "_logging",
-    "print_sink": "_logging",
+    "print_sink": "_sinks",
     "autocast_step": "_precision",
     "Checkpointer": "_checkpointer",
-    "load_checkpoint": "_checkpointer",
+    "load_checkpoint": "_checkpoint_files",
     "step": "_step",
     "no_sync": "_grad_sync",
     "count_host_syncs": "_host_syncs",
@@ -66,21 +66,21 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from . import distributed as distributed
     from . import lint as lint
     from ._accumulate import accumulate as accumulate
+    from ._checkpoint_files import load_checkpoint as load_checkpoint
     from ._checkpointer import Checkpointer as Checkpointer
-    from ._checkpointer import load_checkpoint as load_checkpoint
     from ._doctor import doctor as doctor
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
     from ._grad_sync import no_sync as no_sync
     from ._host_syncs import count_host_syncs as count_host_syncs
-    from ._logging import LoggingSink as LoggingSink
-    from ._logging import TensorBoardSink as TensorBoardSink
     from ._logging import detach_logging as detach_logging
-    from ._logging import print_sink as print_sink
     from ._memory import track_memory as track_memory
     from ._precision import autocast_step as autocast_step
     from ._recompute import checkpointed as checkpointed
     from ._recompute import is_checkpointed as is_checkpointed
+    from ._sinks import LoggingSink as LoggingSink
+    from ._sinks import TensorBoardSink as TensorBoardSink
+    from ._sinks import print_sink as print_sink
     from ._step import step as step
     from ._to_device import to_device as to_device
     from ._types import DeviceLike as DeviceLike

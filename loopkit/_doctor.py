@@ -5,128 +5,74 @@ the loader), the time spent outside the step otherwise (the user's code between 
 steps), the host-to-device copy, forward+backward, the optimizer step, logging and
 communication, and it counts host-device syncs on a few sampled steps (counting every op
 would slow the loop it measures). On CUDA the phases are timed with CUDA events, resolved
-only when a report is made, so the doctor adds no sync of its own.
+only when a report is made, so the doctor adds no sync of its own. The clock is in
+``_phase_clock``, the words in ``_doctor_report``.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
+from torch import nn
 
 from ._checks import is_int_at_least
-from ._devices import parse_device
-from ._host_syncs import _CudaSyncCounter, count_host_syncs
+from ._cuda_syncs import CudaSyncCounter
+from ._devices import model_device, parse_device
+from ._doctor_report import PHASES, Context, Stats, report_text, tips_for
+from ._grad_sync import unwrap
+from ._host_syncs import count_host_syncs
+from ._phase_clock import PhaseClock
+from ._precision import resolve_precision
+from ._types import DeviceLike, PrecisionLike
 
 T = TypeVar("T")
-
-PHASES = ("data", "between", "h2d", "compute", "optimizer", "logging", "communication")
-_LABELS = {
-    "data": "waiting for data",
-    "between": "outside the step",
-    "h2d": "host-to-device copy",
-    "compute": "forward + backward",
-    "optimizer": "optimizer step",
-    "logging": "logging",
-    "communication": "communication (overlaps)",
-}
-
-
-_PHASE_TIPS = (
-    (
-        "h2d",
-        0.1,
-        "copies the batch to the device: use pin_memory=True with non-blocking "
-        "copies (loopkit.to_device does it for pinned batches), and keep images uint8 on the "
-        "host (loopkit.to_device(batch, device, uint8_to=torch.float32))",
-    ),
-    (
-        "optimizer",
-        0.25,
-        "is the optimizer step: use a fused or foreach optimizer "
-        "(torch.optim.AdamW(..., fused=True)), or accumulate more micro-batches per update "
-        "(loopkit.accumulate(every=N))",
-    ),
-    (
-        "logging",
-        0.1,
-        "is logging: flush less often (loopkit.detach_logging(every=N) with a larger N)",
-    ),
-    (
-        "communication",
-        0.2,
-        "communicates: accumulate gradients with "
-        "loopkit.accumulate(every=N), which all-reduces once per update",
-    ),
-)
-_SYNC_TIP = (
-    "each stalls the host until the device catches up; log with "
-    "loopkit.detach_logging(every=N) instead of .item(), and avoid Python branches on tensor "
-    "values"
-)
-_BF16_TIP = (
-    "the step is compute-bound in fp32: try precision='bf16' (loopkit.autocast_step), about "
-    "2x faster on GPUs and AMX CPUs"
-)
-_FP16_CPU_TIP = (
-    "precision is fp16 on a CPU: CPUs have no fast fp16 kernels, so fp16 autocast runs far "
-    "slower than fp32 there (over 100x measured on a 2-core Xeon); use precision='bf16' "
-    "(fast on CPUs with AVX512-BF16 or AMX, and it needs no loss scaling) or 'fp32'"
-)
-_BETWEEN_TIP = (
-    "is spent outside the step, in your code between two steps (prints, evaluation, "
-    "checkpoints, another model's step): do that work every N steps instead of every step, "
-    "or give another model's step its own doctor"
-)
-_BETWEEN_UNTIMED_DATA = (
-    "; the loader's next() is in there too, untimed: iterate with doc.iterate(loader) (or "
-    "loopkit.step(...).iterate(loader)) to time the data wait on its own"
-)
 
 
 class _Phase:
     """``with doc.phase(name):`` attributes the time inside to ``name``."""
 
-    __slots__ = ("doc", "name", "previous")
+    __slots__ = ("clock", "name", "previous")
 
-    def __init__(self, doc: doctor, name: str) -> None:
-        self.doc, self.name, self.previous = doc, name, ""
+    def __init__(self, clock: PhaseClock, name: str) -> None:
+        self.clock, self.name, self.previous = clock, name, ""
 
     def __enter__(self) -> None:
-        self.previous = self.doc._switch(self.name)
+        self.previous = self.clock.switch(self.name)
 
     def __exit__(self, *exc: object) -> None:
-        self.doc._switch(self.previous)
+        self.clock.switch(self.previous)
 
 
 class doctor:
     """Measure a training loop and say, in plain words, what slows it.
 
-    Alone: ``with doc:`` around each step's body, ``with doc.phase("h2d")``/``("optimizer")``
-    around those parts, ``doc.count(samples=..., tokens=...)`` for throughput, and ``for
-    batch in doc.iterate(loader)``, which times the loader's ``next()`` (the data wait) and
-    counts samples. Time between two steps spent elsewhere is "outside the step" (the
-    user's code between steps); without ``doc.iterate`` the data wait is part of it too. In
-    ``loopkit.step(..., doctor=doc)`` every phase is timed for you. ``doc.report()``
-    returns the report; with ``report_at_exit=True`` it is printed when the program ends.
+    Alone: ``doc.attach(model, optimizer, precision, device)`` once, ``with doc:`` around
+    each step's body, ``with doc.phase("h2d")``/``("optimizer")`` around those parts,
+    ``doc.count(samples=..., tokens=...)`` for throughput, and ``for batch in
+    doc.iterate(loader)``, which times the loader's ``next()`` (the data wait) and counts
+    samples. Time between two steps spent elsewhere is "outside the step" (the user's code
+    between steps); without ``doc.iterate`` the data wait is part of it too. In
+    ``loopkit.step(..., doctor=doc)`` the step attaches it and times every phase for you.
+    ``doc.report()`` returns the report; with ``report_at_exit=True`` it is printed when
+    the program ends.
     """
 
     def __init__(
         self,
         *,
-        loader: Any = None,
+        loader: object = None,
         sample_syncs_at: Iterable[int] = (3, 4, 5),
         sample_syncs_every: int | None = 500,
         report_every: int | None = None,
         sink: Callable[[str], object] = print,
         report_at_exit: bool = False,
-        device: str | int | torch.device | None = None,
+        device: DeviceLike | None = None,
     ) -> None:
         sampled = sorted(set(sample_syncs_at))
         if any(not is_int_at_least(s, 1) for s in sampled):
@@ -146,77 +92,93 @@ class doctor:
         self.loader = loader
         self.sink = sink
         self.report_every = report_every
-        self._sampled = frozenset(sampled)
-        self._sample_every = sample_syncs_every
+        self._sampler = _SyncSampler(frozenset(sampled), sample_syncs_every)
+        self._clock = PhaseClock()
         self._device: torch.device | None = None
-        self._cuda = False
-        self._inside = False
         self.device = device
         self.steps = 0
         """Steps measured so far."""
         self.samples = 0
         self.tokens = 0
         self.precision: str | None = None
-        """Set by loopkit.step: "fp16" on a CPU gets the bf16 tip."""
+        """Set by ``attach``: "fp16" on a CPU gets the bf16 tip."""
         self.optimizer: torch.optim.Optimizer | None = None
-        """Set by loopkit.step: its host-side step counters are not counted as syncs."""
-        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        """Wall seconds per phase over all steps (CUDA phases once resolved by report())."""
-        self.syncs: Counter[str] = Counter()
-        """The user's host-device syncs on the sampled steps, by operation."""
-        self.expected_syncs: Counter[str] = Counter()
-        """loopkit's own necessary syncs on the sampled steps, by reason (no tip for them)."""
-        self.sync_steps = 0
-        self._current = ""
-        self._mark = 0.0
-        self._last_exit: float | None = None
-        self._outside = 0.0  # phase time since the last step (the data wait among it)
+        """Set by ``attach``: its host-side step counters are not counted as syncs."""
         self._iterated = False  # whether doc.iterate has timed the loader's next()
-        self._counter: count_host_syncs | _CudaSyncCounter | None = None
-        self._events: list[tuple[str, Any, Any]] = []
-        self._first: float | None = None
         if report_at_exit:
             atexit.register(self._report_at_exit)
 
     @property
     def device(self) -> torch.device | None:
-        """The training device: as given (loopkit.step sets it), else the optimizer's."""
-        if self._device is not None:
-            return self._device
-        for group in self.optimizer.param_groups if self.optimizer is not None else ():
-            for p in group["params"]:
-                return p.device  # type: ignore[no-any-return]
-        return None
+        """The training device: as given (``attach`` sets it), else the optimizer's."""
+        return self._device if self._device is not None else _params_device(self.optimizer)
 
     @device.setter
-    def device(self, device: str | int | torch.device | None) -> None:
-        if self._inside:
+    def device(self, device: DeviceLike | None) -> None:
+        if self._clock.inside:
             raise RuntimeError("the doctor's device can change between steps, not inside one")
-        dev = None if device is None else parse_device(device)
+        self._set_device(None if device is None else parse_device(device))
+
+    def _set_device(self, dev: torch.device | None) -> None:
         self._device = dev
-        self._cuda = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
+        self._clock.cuda = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds per phase over all steps (CUDA phases once resolved by report())."""
+        return self._clock.seconds
+
+    @property
+    def syncs(self) -> Counter[str]:
+        """The user's host-device syncs on the sampled steps, by operation."""
+        return self._sampler.user
+
+    @property
+    def expected_syncs(self) -> Counter[str]:
+        """loopkit's own necessary syncs on the sampled steps, by reason (no tip for them)."""
+        return self._sampler.expected
+
+    @property
+    def sync_steps(self) -> int:
+        """Steps on which host syncs were counted."""
+        return self._sampler.steps
+
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: PrecisionLike | None = None,
+        device: DeviceLike | None = None,
+    ) -> None:
+        """Tell the doctor about the loop it measures; ``loopkit.step(doctor=...)`` calls it.
+
+        ``precision`` picks the precision tips (None: give none); ``device`` (by default
+        the model's) makes a CUDA run time its phases with CUDA events; the optimizer's
+        host-side step counters are not counted as syncs; a DDP model's all-reduces are
+        timed (see ``watch``). Call it between steps, before the first forward.
+        """
+        if self._clock.inside:
+            raise RuntimeError("attach the doctor between steps, not inside one")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        # Everything is checked before anything changes: a bad argument leaves it as it was.
+        resolved = None if precision is None else resolve_precision(precision)
+        dev = model_device(unwrap(model)) if device is None else parse_device(device)
+        self.precision, self.optimizer = resolved, optimizer
+        self._set_device(dev if dev is not None else _params_device(optimizer))
+        self.watch(model)
 
     # -- steps and phases ---------------------------------------------------------------------
 
     def __enter__(self) -> doctor:
-        if self._inside:
+        if self._clock.inside:
             raise RuntimeError("doctor is already inside a step: enter it once per step")
-        now = time.perf_counter()
-        if self._last_exit is not None:
-            # What no phase claimed since the last step (the data wait is claimed by
-            # doc.iterate) was the user's code between the steps.
-            self.seconds["between"] += max(0.0, now - self._last_exit - self._outside)
-        if self._first is None:
-            self._first = now
-        self._outside = 0.0
-        self._inside = True
-        self._current = "compute"
-        self._mark = now
-        if self._cuda:
-            self._events.append(("compute", _cuda_event(), None))
-        number = self.steps + 1
-        if number in self._sampled or (self._sample_every and number % self._sample_every == 0):
-            self._start_sync_count()
+        self._clock.begin_step()
+        self._sampler.start(self.steps + 1, self._clock.cuda, self.optimizer)
         return self
 
     def __exit__(
@@ -225,10 +187,9 @@ class doctor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._switch("")
-        self._stop_sync_count()
-        self._inside = False
-        self._last_exit = time.perf_counter()
+        self._clock.switch("")
+        self._sampler.stop()
+        self._clock.end_step()
         if exc_type is None:
             self.steps += 1
             if self.report_every and self.steps % self.report_every == 0:
@@ -238,27 +199,7 @@ class doctor:
         """Attribute the time inside ``with doc.phase(name):`` to one of PHASES."""
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}: use one of {', '.join(PHASES)}")
-        return _Phase(self, name)
-
-    def _switch(self, name: str) -> str:
-        now = time.perf_counter()
-        previous = self._current
-        if previous and self._first is not None:  # measured from the first step on
-            spent = now - self._mark
-            if not (self._cuda and self._inside):  # in-step CUDA phases are timed by events
-                self.seconds[previous] += spent
-            if not self._inside:
-                self._outside += spent
-        if self._cuda and self._inside:
-            # Device time: an event per phase boundary, read when the report is made.
-            end = _cuda_event()
-            if self._events and self._events[-1][2] is None:
-                label, start, _ = self._events.pop()
-                self._events.append((label, start, end))
-            if name:
-                self._events.append((name, end, None))
-        self._current, self._mark = name, now
-        return previous
+        return _Phase(self._clock, name)
 
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         """Add this step's samples (and tokens) to the throughput."""
@@ -282,202 +223,148 @@ class doctor:
     def _iterate(self, it: Iterator[T]) -> Iterator[T]:
         self._iterated = True
         while True:
-            previous = self._switch("data")
+            previous = self._clock.switch("data")
             try:
                 batch = next(it)
             except StopIteration:
                 return
             finally:
-                self._switch(previous)
+                self._clock.switch(previous)
             self.samples += _batch_size(batch)
             yield batch
 
-    def watch(self, model: Any) -> bool:
+    def watch(self, model: nn.Module) -> bool:
         """Time a DDP model's gradient all-reduces (they overlap backward); False if it cannot.
 
         Registers DDP's default all-reduce as a comm hook with a clock around it, so it must
         be called before the first forward and only on a model without a comm hook.
         """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.nn.parallel import DistributedDataParallel
-
-        from ._grad_sync import unwrap
-
-        ddp = unwrap(model)
-        if not isinstance(ddp, DistributedDataParallel):
-            return False
-
-        def timed(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-            start = time.perf_counter()
-
-            def done(fut: Any) -> Any:
-                self.seconds["communication"] += time.perf_counter() - start
-                return fut.value()
-
-            return allreduce_hook(state, bucket).then(done)
-
-        try:
-            ddp.register_comm_hook(None, timed)
-        except RuntimeError:
-            return False  # a hook is already there, or training has started
-        return True
-
-    # -- host syncs ---------------------------------------------------------------------------
-
-    def _start_sync_count(self) -> None:
-        counter: count_host_syncs | _CudaSyncCounter
-        if self._cuda:
-            # The driver-level view: every synchronizing CUDA call warns.
-            counter = _CudaSyncCounter()
-        else:
-            counter = count_host_syncs(ignore=self._host_resident())
-        counter.__enter__()
-        self._counter = counter
-
-    def _host_resident(self) -> frozenset[int]:
-        # Optimizers keep their step counters on the host even in a GPU run (unless
-        # capturable) and read them with .item(): no device sync there, so not counted.
-        opt = self.optimizer
-        if opt is None:
-            return frozenset()
-        return frozenset(
-            id(v)
-            for state in opt.state.values()
-            for k, v in state.items()
-            if k == "step" and isinstance(v, torch.Tensor) and v.device.type == "cpu"
-        )
-
-    def _stop_sync_count(self) -> None:
-        counter, self._counter = self._counter, None
-        if counter is not None:
-            counter.__exit__(None, None, None)
-            self.syncs.update(counter.user_events)
-            self.expected_syncs.update(counter.expected)
-            self.sync_steps += 1
+        return _time_all_reduces(model, self._clock.seconds)
 
     # -- the report ---------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Stats:
         """The numbers behind the report."""
-        if self._cuda and self._events:
-            torch.cuda.synchronize()  # the one sync, at report time only
-            for label, start, end in self._events:
-                if end is not None:
-                    self.seconds[label] += start.elapsed_time(end) / 1e3
-            self._events = [e for e in self._events if e[2] is None]
+        seconds = self._clock.resolve()
         # Communication overlaps backward: it is reported beside the phases, not within them.
-        total = sum(v for k, v in self.seconds.items() if k != "communication")
-        wall = (
-            self._last_exit - self._first
-            if self._last_exit is not None and self._first is not None
-            else 0.0
-        )
+        total = sum(v for k, v in seconds.items() if k != "communication")
+        wall = self._clock.wall
+        n = self.sync_steps
         return {
             "steps": self.steps,
-            "seconds": dict(self.seconds),
-            "share": {k: (v / total if total else 0.0) for k, v in self.seconds.items()},
+            "seconds": dict(seconds),
+            "share": {k: (v / total if total else 0.0) for k, v in seconds.items()},
             "samples_per_s": self.samples / wall if wall and self.samples else None,
             "tokens_per_s": self.tokens / wall if wall and self.tokens else None,
-            "syncs_per_step": (
-                sum(self.syncs.values()) / self.sync_steps if self.sync_steps else None
-            ),
+            "syncs_per_step": sum(self.syncs.values()) / n if n else None,
             "sync_ops": dict(self.syncs),
-            "expected_syncs_per_step": {
-                reason: n / self.sync_steps for reason, n in self.expected_syncs.items()
-            },
+            "expected_syncs_per_step": {r: c / n for r, c in self.expected_syncs.items()},
         }
 
     def report(self) -> str:
         """A plain-words report: throughput, phase shares, syncs, and the tips that apply."""
-        s = self.stats()
-        if not s["steps"]:
-            return "loopkit doctor: no step measured yet"
-        per_step = sum(v for k, v in s["seconds"].items() if k != "communication") / s["steps"]
-        head = f"loopkit doctor: {s['steps']} steps, {1e3 * per_step:.2f} ms per step"
-        if s["samples_per_s"]:
-            head += f", {s['samples_per_s']:,.0f} samples/s"
-        if s["tokens_per_s"]:
-            head += f", {s['tokens_per_s']:,.0f} tokens/s"
-        lines = [head]
-        for name in PHASES:
-            if s["seconds"][name] or name == "compute" or (name == "data" and self._iterated):
-                lines.append(
-                    f"  {_LABELS[name]:<22} {100 * s['share'][name]:5.1f}%  "
-                    f"{1e3 * s['seconds'][name] / s['steps']:8.3f} ms/step"
-                )
-        if s["syncs_per_step"] is not None:
-            ops = ", ".join(f"{op} x{n}" for op, n in Counter(s["sync_ops"]).most_common(4))
-            lines.append(
-                f"  host-device syncs      {s['syncs_per_step']:.1f} per step "
-                f"(sampled on {self.sync_steps} steps){': ' + ops if ops else ''}"
-            )
-        if s["expected_syncs_per_step"]:
-            needed = "; ".join(
-                f"{n:.1f} per step needed by {reason}"
-                for reason, n in sorted(s["expected_syncs_per_step"].items(), key=lambda x: -x[1])
-            )
-            lines.append(f"  loopkit's own syncs    {needed}")
-        tips = self.tips(s)
-        lines.append("Tips:" if tips else "Nothing stands out: no tip applies.")
-        lines += [f"  - {t}" for t in tips]
-        return "\n".join(lines)
+        return report_text(self.stats(), self._context())
 
-    def tips(self, s: dict[str, Any] | None = None) -> list[str]:
+    def tips(self, s: Stats | None = None) -> list[str]:
         """The guides' advice that the measurements call for, most costly first."""
-        s = s or self.stats()
-        share = s["share"]
-        found: list[tuple[float, str]] = []
-        if self.precision == "fp16" and (dev := self.device) is not None and dev.type == "cpu":
-            # A configuration that costs more than anything measured here: first.
-            found.append((2.0, _FP16_CPU_TIP))
-        if share["data"] > 0.2:
-            found.append((share["data"], self._data_tip(share["data"])))
-        if share["between"] > 0.2:
-            text = f"{100 * share['between']:.0f}% of each step {_BETWEEN_TIP}"
-            if not self._iterated:
-                text += _BETWEEN_UNTIMED_DATA
-            found.append((share["between"], text))
-        for phase, threshold, text in _PHASE_TIPS:
-            if share[phase] > threshold:
-                found.append((share[phase], f"{100 * share[phase]:.0f}% of each step {text}"))
-        syncs = s["syncs_per_step"]
-        if syncs is not None and syncs >= 1:
-            ops = ", ".join(op for op, _ in Counter(s["sync_ops"]).most_common(3))
-            found.append(
-                (
-                    min(1.0, 0.1 * syncs),
-                    f"{syncs:.1f} host-device syncs per step ({ops}): {_SYNC_TIP}",
-                )
-            )
-        if share["compute"] > 0.6 and self.precision == "fp32":
-            found.append((0.05, _BF16_TIP))
-        return [tip for _, tip in sorted(found, key=lambda x: -x[0])]
+        return tips_for(s or self.stats(), self._context())
 
-    def _data_tip(self, share: float) -> str:
+    def _context(self) -> Context:
         workers = getattr(self.loader, "num_workers", None)
         inner = getattr(self.loader, "loader", None)  # a loopkit EpochLoader
         if workers is None and inner is not None:
             workers = getattr(inner, "num_workers", None)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        now = f"num_workers is {workers}; " if workers is not None else ""
-        return (
-            f"{100 * share:.0f}% of each step waits for data: {now}try num_workers > 0 (this "
-            f"machine has {cores} cores), pin_memory with CUDA, persistent_workers=True "
-            "(loopkit.distributed.loader sets all three); or preload the data set to RAM"
-        )
+        dev = self.device
+        return {
+            "precision": self.precision,
+            "device_type": None if dev is None else dev.type,
+            "iterated": self._iterated,
+            "num_workers": workers,
+            "sync_steps": self.sync_steps,
+        }
 
     def _report_at_exit(self) -> None:
         if self.steps:
             self.sink(self.report())
 
 
-def _cuda_event() -> Any:
-    ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    ev.record()
-    return ev
+class _SyncSampler:
+    """Counts host syncs on the sampled steps; its tallies add up over them."""
+
+    def __init__(self, at: frozenset[int], every: int | None) -> None:
+        self.at, self.every = at, every
+        self.user: Counter[str] = Counter()
+        self.expected: Counter[str] = Counter()
+        self.steps = 0
+        self._counter: count_host_syncs | CudaSyncCounter | None = None
+
+    def start(self, number: int, cuda: bool, optimizer: torch.optim.Optimizer | None) -> None:
+        """Start counting if step ``number`` is sampled (on CUDA, the driver's sync warnings)."""
+        if not (number in self.at or (self.every and number % self.every == 0)):
+            return
+        # On CUDA the driver sees every sync; elsewhere the ops that would stall a GPU.
+        counter: count_host_syncs | CudaSyncCounter = (
+            CudaSyncCounter() if cuda else count_host_syncs(ignore=_host_resident(optimizer))
+        )
+        counter.__enter__()
+        self._counter = counter
+
+    def stop(self) -> None:
+        """Stop counting (if this step was counted) and add up what was seen."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            self.user.update(counter.user_events)
+            self.expected.update(counter.expected)
+            self.steps += 1
 
 
-def _batch_size(batch: Any) -> int:
+def _time_all_reduces(model: nn.Module, seconds: dict[str, float]) -> bool:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = unwrap(model)
+    if not isinstance(ddp, DistributedDataParallel):
+        return False
+
+    def timed(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        start = time.perf_counter()
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            seconds["communication"] += time.perf_counter() - start
+            return fut.value()
+
+        return allreduce_hook(state, bucket).then(done)
+
+    try:
+        ddp.register_comm_hook(None, timed)
+    except RuntimeError:
+        return False  # a hook is already there, or training has started
+    return True
+
+
+def _params_device(opt: torch.optim.Optimizer | None) -> torch.device | None:
+    for group in opt.param_groups if opt is not None else ():
+        for p in group["params"]:
+            if isinstance(p, torch.Tensor):
+                return p.device
+    return None
+
+
+def _host_resident(opt: torch.optim.Optimizer | None) -> frozenset[int]:
+    # Optimizers keep their step counters on the host even in a GPU run (unless
+    # capturable) and read them with .item(): no device sync there, so not counted.
+    if opt is None:
+        return frozenset()
+    return frozenset(
+        id(v)
+        for state in opt.state.values()
+        for k, v in state.items()
+        if k == "step" and isinstance(v, torch.Tensor) and v.device.type == "cpu"
+    )
+
+
+def _batch_size(batch: object) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, dict):

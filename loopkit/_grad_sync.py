@@ -23,11 +23,11 @@ from ._types import SyncKind
 try:  # FSDP2, public since torch 2.6
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - builds without distributed support
-    FSDPModule = None  # type: ignore[assignment,misc]
+    FSDPModule = None  # type: ignore[assignment,misc]  # a build without distributed
 try:  # FSDP1
     from torch.distributed.fsdp import FullyShardedDataParallel
 except ImportError:  # pragma: no cover
-    FullyShardedDataParallel = None  # type: ignore[assignment,misc]
+    FullyShardedDataParallel = None  # type: ignore[assignment,misc]  # a build without distributed
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -101,7 +101,7 @@ class no_sync(contextlib.ContextDecorator):
             self._saved.append(ddp.require_backward_grad_sync)
             ddp.require_backward_grad_sync = False
         elif kind == "fsdp1":
-            cm = self.model.no_sync()  # type: ignore[operator]
+            cm = self.model.no_sync()  # type: ignore[operator]  # unwrap() is typed nn.Module
             cm.__enter__()
             self._saved.append(cm)
         else:

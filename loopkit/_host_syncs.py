@@ -7,24 +7,24 @@ diagnosis run on a machine without a GPU: it counts what *would* stall a GPU.
 
 loopkit's own code wraps the reads it cannot avoid (fp16's overflow check, the
 ``skip_nonfinite`` decision) in ``expected_sync(reason)``: a counter counts them and also
-files them under ``expected[reason]``, so the doctor can tell them from the user's.
+files them under ``expected[reason]``, so the doctor can tell them from the user's. The
+doctor's CUDA counter (``_cuda_syncs``) sees syncs as warnings instead; it registers with
+``add_watcher`` so that expected_sync labels those too.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._dispatch import OpCallback, OpObserver
+from ._dispatch import OpCallback, OpObserver, enter_mode, remove_mode
 
 # Python-level reads: on the CPU ``tolist``/``numpy`` reach no aten op, so only a
 # function mode sees them.
@@ -57,8 +57,6 @@ _ATEN_READS = frozenset(
     }
 )
 _COPIES = frozenset({"aten._to_copy", "aten.copy_", "aten._copy_from"})
-# The text of the warning torch.cuda.set_sync_debug_mode("warn") gives at each sync.
-_CUDA_SYNC_WARNING = "synchroniz"
 
 
 def _is_cpu(x: object) -> bool:
@@ -85,21 +83,32 @@ class _State:
             self.expected[reason] += 1
 
 
+class SyncWatcher(Protocol):
+    """A counter that sees syncs some other way (the CUDA one): told which were expected."""
+
+    def mark(self) -> int:
+        """A position in what it has seen so far."""
+        ...
+
+    def claim(self, start: int, reason: str) -> None:
+        """What it saw since ``start`` came from inside ``expected_sync(reason)``."""
+        ...
+
+
 class _Hub:
     """The counters active in one thread, behind one pair of modes shared by all of them.
 
-    One pair, not one per counter: torch pops its mode stacks from the top whichever mode
-    exits, so two pairs exited out of order would remove each other's modes and leave one
-    installed. With one pair, counters enter and exit in any order.
+    One pair, not one per counter, so each op passes one mode however many counters nest;
+    the pair is removed by identity, so counters and other modes exit in any order.
     """
 
     __slots__ = ("modes", "reasons", "states", "watchers")
 
     def __init__(self) -> None:
         self.states: list[_State] = []
-        self.watchers: list[_CudaSyncCounter] = []
+        self.watchers: list[SyncWatcher] = []
         self.reasons: list[str] = []  # the open expected_sync blocks, innermost last
-        self.modes: tuple[TorchFunctionMode, TorchDispatchMode] | None = None
+        self.modes: tuple[_FunctionCounter, OpObserver] | None = None
 
     def reason(self) -> str | None:
         return self.reasons[-1] if self.reasons else None
@@ -162,7 +171,9 @@ class _FunctionCounter(TorchFunctionMode):
                 state.depth -= 1
 
 
-def _leaves_device_for_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _leaves_device_for_host(
+    name: str, args: tuple[object, ...], kwargs: Mapping[str, object]
+) -> bool:
     src = args[0] if args else None
     if not isinstance(src, torch.Tensor) or src.device.type == "cpu":
         return False
@@ -188,7 +199,7 @@ def _aten_read(hub: _Hub) -> OpCallback:
     return before
 
 
-def _copy_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _copy_to_host(name: str, args: tuple[object, ...], kwargs: Mapping[str, object]) -> bool:
     src = args[0] if name == "aten._to_copy" else (args[1] if len(args) > 1 else None)
     if not isinstance(src, torch.Tensor) or src.device.type == "cpu":
         return False
@@ -204,85 +215,24 @@ def _copy_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
 def _install(hub: _Hub) -> None:
     function_mode = _FunctionCounter(hub)
     dispatch_mode = OpObserver(before=_aten_read(hub))
-    function_mode.__enter__()  # type: ignore[no-untyped-call]
+    enter_mode(function_mode)
     try:
-        dispatch_mode.__enter__()  # type: ignore[no-untyped-call]
+        enter_mode(dispatch_mode)
     except BaseException:
-        _remove_function_mode(function_mode)
+        remove_mode(function_mode)
         raise
     hub.modes = (function_mode, dispatch_mode)
 
 
 def _uninstall(hub: _Hub) -> None:
+    # By identity: a track_memory (or a user's mode) entered after them may still be open.
     modes, hub.modes = hub.modes, None
     if modes is None:
         return
     try:
-        _remove_dispatch_mode(modes[1])
+        remove_mode(modes[1])
     finally:
-        _remove_function_mode(modes[0])
-
-
-def _index(stack: list[Any], mode: object) -> int | None:
-    return next((i for i, m in enumerate(stack) if m is mode), None)
-
-
-def _remove_function_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off this thread's function-mode stack, wherever it is; keep the others.
-
-    A mode entered after ours and still open sits above it: it is lifted off and put
-    back, so the order of the remaining modes does not change.
-    """
-    from torch.overrides import _get_current_function_mode_stack
-
-    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-    i = _index(stack, mode)
-    if i is None:
-        return  # already popped (by an out-of-order exit of a mode below it)
-    above = stack[i + 1 :]
-    for _ in above:
-        torch._C._pop_torch_function_stack()
-    try:
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-    finally:
-        for m in above:
-            torch._C._push_on_torch_function_stack(m)
-
-
-# The per-mode lists in which TorchDispatchMode.__enter__ saves torch's "a mode is on the
-# stack" flags for its __exit__ to restore.
-_SAVED_FLAGS = (
-    "old_dispatch_mode_flags",
-    "old_non_infra_dispatch_mode_flags",
-    "old_without_ignore_compile_internals_dispatch_mode_flags",
-)
-
-
-def _remove_dispatch_mode(mode: TorchDispatchMode) -> None:
-    """Take ``mode`` off this thread's dispatch-mode stack, wherever it is; keep the others.
-
-    Modes above it are lifted off and entered again (with TorchDispatchMode's own
-    ``__enter__``), so the flags each saved for its exit describe the stack without
-    ``mode``, and torch's "a mode is active" flags end right once they exit too.
-    """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    stack = _get_current_dispatch_mode_stack()
-    i = _index(stack, mode)
-    if i is None:
-        return
-    above = stack[i + 1 :]  # user modes only: infra modes sit below every user mode
-    for m in reversed(above):
-        torch._C._pop_torch_dispatch_stack(None)
-        for attr in _SAVED_FLAGS:
-            saved = getattr(m, attr, None)
-            if saved:
-                saved.pop()
-    try:
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-    finally:
-        for m in above:
-            TorchDispatchMode.__enter__(m)  # type: ignore[no-untyped-call]
+        remove_mode(modes[0])
 
 
 # -- expected syncs -------------------------------------------------------------------------
@@ -295,17 +245,30 @@ class _Expected:
 
     def __init__(self, hub: _Hub, reason: str) -> None:
         self.hub, self.reason = hub, reason
-        self.marks: list[tuple[_CudaSyncCounter, int]] = []
+        self.marks: list[tuple[SyncWatcher, int]] = []
 
     def __enter__(self) -> None:
         self.hub.reasons.append(self.reason)
-        self.marks = [(w, w._mark()) for w in self.hub.watchers]
+        self.marks = [(w, w.mark()) for w in self.hub.watchers]
 
     def __exit__(self, *exc: object) -> None:
         self.hub.reasons.pop()
         for watcher, start in self.marks:
-            watcher._claim(start, self.reason)
+            watcher.claim(start, self.reason)
         self.marks = []
+
+
+def add_watcher(watcher: SyncWatcher) -> Callable[[], None]:
+    """Tell ``watcher`` of this thread's expected_sync blocks; returns what removes it."""
+    hub = _hub()
+    hub.watchers.append(watcher)
+    _count_active(1)
+
+    def remove() -> None:
+        hub.watchers.remove(watcher)
+        _count_active(-1)
+
+    return remove
 
 
 def expected_sync(reason: str) -> AbstractContextManager[None]:
@@ -395,76 +358,3 @@ class count_host_syncs:
         _count_active(-1)
         if not hub.states:
             _uninstall(hub)
-
-
-class _CudaSyncCounter:
-    """The doctor's sync count on CUDA: torch.cuda.set_sync_debug_mode("warn") warns at each.
-
-    It sees the driver-level syncs, whatever op made them, but only as warnings: each is
-    counted under its message (``events``), or under ``expected[reason]`` when it came
-    from inside ``expected_sync``. Other warnings raised meanwhile are shown again on exit.
-    """
-
-    def __init__(self) -> None:
-        self.events: Counter[str] = Counter()
-        self.expected: Counter[str] = Counter()
-        self._catch: warnings.catch_warnings[list[warnings.WarningMessage]] | None = None
-        self._records: list[warnings.WarningMessage] = []
-        self._previous_mode = 0
-        self._hub: _Hub | None = None
-
-    def __enter__(self) -> _CudaSyncCounter:
-        if self._hub is not None:
-            raise RuntimeError("this CUDA sync counter is already counting: enter it once")
-        catch = warnings.catch_warnings(record=True)
-        self._records = catch.__enter__()
-        warnings.simplefilter("always")
-        self._catch = catch
-        if torch.cuda.is_available():
-            self._previous_mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
-        hub = _hub()
-        hub.watchers.append(self)
-        self._hub = hub
-        _count_active(1)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        hub, catch = self._hub, self._catch
-        if hub is None or catch is None:
-            raise RuntimeError("the CUDA sync counter exited without being entered")
-        self._hub = self._catch = None
-        hub.watchers.remove(self)
-        _count_active(-1)
-        try:
-            if torch.cuda.is_available():
-                torch.cuda.set_sync_debug_mode(self._previous_mode)
-        finally:
-            catch.__exit__(None, None, None)
-        others = []
-        for w in self._records:
-            if _CUDA_SYNC_WARNING in str(w.message):
-                self.events[str(w.message).split("\n")[0][:60]] += 1
-            else:
-                others.append(w)
-        self._records = []
-        for w in others:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-
-    @property
-    def user_events(self) -> dict[str, int]:
-        """The sync warnings outside loopkit's own necessary reads, by message."""
-        return dict(self.events)
-
-    def _mark(self) -> int:
-        return len(self._records)
-
-    def _claim(self, start: int, reason: str) -> None:
-        # The sync warnings recorded since ``start`` came from inside expected_sync(reason).
-        claimed = self._records[start:]
-        del self._records[start:]
-        for w in claimed:
-            if _CUDA_SYNC_WARNING in str(w.message):
-                self.expected[reason] += 1
-            else:
-                self._records.append(w)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ._dispatch import OpCallback, OpObserver
+from ._dispatch import OpCallback, OpObserver, enter_mode, remove_mode
 
 
 def _allocations(owner: track_memory) -> OpCallback:
@@ -50,7 +50,7 @@ class track_memory:
         """Bytes of tracked storages alive now."""
         self.peak = 0
         """Largest ``live`` seen since the start (or ``reset_peak()``)."""
-        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._mode: OpObserver | None = None
 
     def _add(self, storage: torch.UntypedStorage) -> None:
@@ -62,8 +62,10 @@ class track_memory:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
-    def _release(self, key: int, nbytes: int) -> Callable[[Any], None]:
-        def release(_: Any) -> None:
+    def _release(
+        self, key: int, nbytes: int
+    ) -> Callable[[weakref.ref[torch.UntypedStorage]], None]:
+        def release(_: weakref.ref[torch.UntypedStorage]) -> None:
             self.live -= nbytes
             self._refs.pop(key, None)
 
@@ -74,8 +76,11 @@ class track_memory:
         self.peak = self.live
 
     def __enter__(self) -> track_memory:
-        self._mode = OpObserver(after=_allocations(self))
-        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        if self._mode is not None:
+            raise RuntimeError("this track_memory is already tracking: enter it once")
+        mode = OpObserver(after=_allocations(self))
+        enter_mode(mode)
+        self._mode = mode
         return self
 
     def __exit__(
@@ -84,6 +89,7 @@ class track_memory:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
-            self._mode = None
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            # By identity: a count_host_syncs entered after this block may still be open.
+            remove_mode(mode)

@@ -98,7 +98,7 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
     total = values[0]
     for v in values[1:]:
         total = total + v.to(total.device)
-    return total  # type: ignore[no-any-return]
+    return total  # type: ignore[no-any-return]  # GradScaler's state is an untyped dict
 
 
 def agree_found_inf(
@@ -227,7 +227,7 @@ class autocast_step(contextlib.ContextDecorator):
             # state to restore on itself.
             if self._active:
                 ac = torch.autocast(self.device_type, dtype=self.dtype)
-            ac.__enter__()  # type: ignore[no-untyped-call]
+            ac.__enter__()  # type: ignore[no-untyped-call]  # torch.autocast: unannotated
             self._active.append(ac)
         return self
 
@@ -264,7 +264,7 @@ class autocast_step(contextlib.ContextDecorator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, through the scaler for fp16."""
-        self.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+        self.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
 
     def discard(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget an unfinished fp16 window of ``optimizer`` (after an error before its step).

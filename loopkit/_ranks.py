@@ -48,6 +48,15 @@ def sum_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor
 
 
+def sum_values(values: list[Any], group: Group = None) -> torch.Tensor:
+    """Numbers or 0-d tensors summed over the ranks in one all-reduce, as a float64 vector."""
+    device = comm_device(group) if initialized() else torch.device("cpu")
+    t = torch.stack(
+        [torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values]
+    )
+    return sum_(t, group)
+
+
 def any_(flag: torch.Tensor, group: Group = None) -> torch.Tensor:
     """A 0-d bool that is True on every rank if ``flag`` is True on any rank (no host read)."""
     if not initialized():

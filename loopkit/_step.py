@@ -1,27 +1,14 @@
-"""loopkit.step: the middlewares composed in one documented order.
+"""loopkit.step: the middlewares composed in one order, stated where it is implemented.
 
-Per micro-batch, from the outside in:
-
-1. ``to_device`` moves the batch (``s.to_device(batch)`` or ``step.iterate(loader)``,
-   which also moves the next batch while this one computes).
-2. ``accumulate`` opens the micro-step (the first of a window clears the optimizer's
-   gradients); on a non-final micro-step it enters ``no_sync`` *before* the forward, since
-   DDP decides at the forward whether to all-reduce.
-3. ``autocast_step`` covers the forward only.
-4. ``s.backward(loss)`` leaves autocast, normalizes the loss for the window, scales it
-   (fp16) and back-propagates.
-5. Leaving ``with`` on the last micro-step of a window: unscale (fp16), normalize, clip,
-   optimizer step (skipped on inf/nan), scaler update, scheduler step (only if the
-   optimizer stepped), ``zero_grad(set_to_none=True)``.
-6. ``detach_logging`` records the detached loss (and ``s.log_metrics(...)``) once per
-   micro-step (a micro-step that raises records nothing); it reads the device only when it
-   flushes.
-
+The order is the numbered lines of ``step.__enter__``, ``step.backward`` and
+``step.__exit__`` (one line per middleware); the README's list is the same order in words.
 Each piece keeps the semantics it has alone; a disabled piece is not entered at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,29 +16,27 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._accumulate import accumulate as accumulate_
+from . import _accumulate, _doctor, _logging
 from ._checks import is_int_at_least
 from ._devices import model_device, resolve_device, same_device
-from ._doctor import doctor as doctor_
 from ._grad_sync import unwrap
-from ._logging import detach_logging, print_sink
 from ._precision import autocast_step
-from ._to_device import _Mover
+from ._to_device import Mover
 from ._types import DeviceLike, PrecisionLike, Weight
 
 T = TypeVar("T")
 
 
-class step:
+class step(contextlib.ContextDecorator):
     """One reusable context manager per training loop: ``with step as s: ...; s.backward(loss)``.
 
-    Build it once, before the loop, and enter it once per micro-batch. ``precision``
-    (``"bf16"``, ``"fp16"``, ``"fp32"``), ``accumulate=N`` micro-batches per update (with
-    ``no_sync`` under DDP and exact normalization), ``clip_grad_norm``, ``scheduler``
-    (stepped once per real update), ``device`` for ``s.to_device``/``step.iterate`` and
-    ``log`` (a ``detach_logging`` or an int: print every that many micro-steps);
-    ``skip_nonfinite``/``max_consecutive_skips`` guard bf16/fp32 updates (see accumulate);
-    ``doctor=loopkit.doctor()`` times every phase of every step.
+    Build it once, before the loop, and enter it once per micro-batch (or decorate the
+    micro-step function with ``@step``). ``precision`` (``"bf16"``, ``"fp16"``,
+    ``"fp32"``), ``accumulate=N`` micro-batches per update (with ``no_sync`` under DDP and
+    exact normalization), ``clip_grad_norm``, ``scheduler`` (stepped once per real update),
+    ``device`` for ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an
+    int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
+    guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
     """
 
     def __init__(
@@ -64,33 +49,32 @@ class step:
         clip_grad_norm: float | None = None,
         scheduler: Any = None,
         device: DeviceLike | None = None,
-        log: detach_logging | int | None = None,
+        log: _logging.detach_logging | int | None = None,
         non_blocking: bool | None = None,
         uint8_to: torch.dtype | None = None,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         channels_last: bool = False,
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = None,
-        doctor: doctor_ | None = None,
+        doctor: _doctor.doctor | None = None,
     ) -> None:
+        # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if doctor is not None and not isinstance(doctor, _doctor.doctor):
+            raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
         here = model_device(unwrap(model))
         target = here if device is None else resolve_device(device)
-        if (
-            here is not None
-            and target is not None
-            and not same_device(here, target)
-        ):
+        if here is not None and target is not None and not same_device(here, target):
             raise ValueError(
                 f"the model is on {here} but device={str(target)!r}: move the model "
                 f"first (model.to({str(target)!r})), then build the step"
             )
         self.device: torch.device = target if target is not None else torch.device("cpu")
         self.amp = autocast_step(precision, device_type=self.device.type)
-        self._autocast_on = self.amp.precision != "fp32"
-        self.log: detach_logging | None = _make_log(log)
-        self.accumulate = accumulate_(
+        self.log: _logging.detach_logging | None = _make_log(log)
+        self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
+        self.accumulator = _accumulate.accumulate(
             model,
             optimizer,
             accumulate,
@@ -100,33 +84,33 @@ class step:
             skip_nonfinite=skip_nonfinite,
             max_consecutive_skips=max_consecutive_skips,
         )
-        self._mover = _Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
-        if doctor is not None and not isinstance(doctor, doctor_):
-            raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
+        """The ``loopkit.accumulate`` this step drives (windows, update, counters)."""
         self.doctor = doctor
         if doctor is not None:
-            doctor.precision = self.amp.precision
-            doctor.device = self.device
-            doctor.optimizer = optimizer
-            doctor.watch(model)
+            doctor.attach(model, optimizer, precision=self.amp.precision, device=self.device)
         self.model = model
         self.optimizer = optimizer
+        self._autocast_on = self.amp.precision != "fp32"
         self._in_autocast = False
         self._loss: torch.Tensor | None = None
         self._extra: dict[str, Any] = {}
 
-    # -- the micro-step -----------------------------------------------------------------------
+    # -- the micro-step: the composition order, one line per middleware ----------------------
 
     def __enter__(self) -> step:
         doc = self.doctor
+        # 1. doctor: the step's clock starts (the batch was moved by `iterate`/`to_device`).
         if doc is not None:
             doc.__enter__()
+        # 2. accumulate: the micro-step opens (a window's first clears the gradients); a
+        #    non-final one enters no_sync before the forward, where DDP decides to all-reduce.
         try:
-            self.accumulate.__enter__()
+            self.accumulator.__enter__()
         except BaseException as err:
             if doc is not None:  # nothing of this micro-step stays entered
                 doc.__exit__(type(err), err, err.__traceback__)
             raise
+        # 3. autocast_step: the forward runs under autocast (not entered for fp32).
         if self._autocast_on:
             self.amp.__enter__()
             self._in_autocast = True
@@ -134,12 +118,12 @@ class step:
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None) -> None:
         """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate)."""
+        # 4. autocast ends before backward, as torch recommends (backward ops take the
+        #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
         if self._in_autocast:
-            # Backward runs outside autocast, as torch recommends: its ops take the dtypes
-            # the forward chose.
             self._in_autocast = False
             self.amp.__exit__(None, None, None)
-        self.accumulate.backward(loss, weight)
+        self.accumulator.backward(loss, weight)
         if self.log is not None:
             self._loss = loss.detach()
 
@@ -162,26 +146,24 @@ class step:
         self._loss, self._extra = None, {}
         try:
             try:
+                # 5. autocast_step exits if backward did not already leave it.
                 if self._in_autocast:
                     self._in_autocast = False
                     self.amp.__exit__(exc_type, exc, tb)
             finally:
-                if doc is not None and self.accumulate.ends_window:
-                    with doc.phase("optimizer"):
-                        self.accumulate.__exit__(exc_type, exc, tb)
-                else:
-                    self.accumulate.__exit__(exc_type, exc, tb)
+                # 6. accumulate closes the micro-step; on a window's last, the update.
+                with _phase(doc, "optimizer" if self.accumulator.ends_window else None):
+                    self.accumulator.__exit__(exc_type, exc, tb)
+            # 7. detach_logging records the detached loss and metrics (never of a failure).
             log = self.log
             if log is not None and exc_type is None:
                 if loss is not None:
                     extra["loss"] = loss
                 if extra:
-                    if doc is not None:
-                        with doc.phase("logging"):
-                            log.record(extra)
-                    else:
+                    with _phase(doc, "logging"):
                         log.record(extra)
         finally:
+            # 8. doctor: the step's clock stops.
             if doc is not None:
                 doc.__exit__(exc_type, exc, tb)
 
@@ -189,7 +171,7 @@ class step:
 
     def to_device(self, batch: T) -> T:
         """Move a batch to the step's device with its transfer options."""
-        return self._mover(batch)  # type: ignore[no-any-return]
+        return self._mover.move(batch)
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the batches moved to the device; the last closes its window on exit.
@@ -199,10 +181,10 @@ class step:
         """
         doc = self.doctor
         if doc is None:
-            return self.accumulate.iterate(self._mover(b) for b in iterable)
-        return self.accumulate.iterate(self._timed_moves(doc, doc.iterate(iterable)))
+            return self.accumulator.iterate(self._mover(b) for b in iterable)
+        return self.accumulator.iterate(self._timed_moves(doc, doc.iterate(iterable)))
 
-    def _timed_moves(self, doc: doctor_, batches: Iterable[T]) -> Iterator[T]:
+    def _timed_moves(self, doc: _doctor.doctor, batches: Iterable[T]) -> Iterator[T]:
         for b in batches:
             with doc.phase("h2d"):
                 moved = self._mover(b)
@@ -210,7 +192,7 @@ class step:
 
     def flush(self) -> bool:
         """Close a partial window (after a loop that did not use ``iterate``) and the log."""
-        stepped = self.accumulate.flush()
+        stepped = self.accumulator.flush()
         if self.log is not None:
             self.log.flush()
         return stepped
@@ -220,45 +202,71 @@ class step:
     @property
     def updates(self) -> int:
         """Optimizer updates done."""
-        return self.accumulate.updates
+        return self.accumulator.updates
 
     @property
     def skipped(self) -> int:
         """Updates skipped on inf/nan (fp16)."""
-        return self.accumulate.skipped
+        return self.accumulator.skipped
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """Gradient norm before clipping at the last update (device tensor; needs clipping)."""
-        return self.accumulate.grad_norm
+        return self.accumulator.grad_norm
 
     @property
     def ends_window(self) -> bool:
         """Whether this micro-step ends an accumulation window (an update follows)."""
-        return self.accumulate.ends_window
+        return self.accumulator.ends_window
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps entered in the current window (0 between windows)."""
+        return self.accumulator.micro_step
+
+    @property
+    def accumulate(self) -> _accumulate.accumulate:
+        """Deprecated name of ``step.accumulator``."""
+        warnings.warn(
+            "step.accumulate is deprecated: use step.accumulator (the attribute no longer "
+            "shares its name with the accumulate= count)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.accumulator
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the GradScaler state, for a checkpoint taken between windows."""
-        return {"accumulate": self.accumulate.state_dict(), "amp": self.amp.state_dict()}
+        return {"accumulate": self.accumulator.state_dict(), "amp": self.amp.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        self.accumulate.load_state_dict(state["accumulate"])
+        self.accumulator.load_state_dict(state["accumulate"])
         self.amp.load_state_dict(state["amp"])
 
     def __repr__(self) -> str:
         return (
             f"loopkit.step(precision={self.amp.precision!r}, "
-            f"accumulate={self.accumulate.every}, device={str(self.device)!r})"
+            f"accumulate={self.accumulator.every}, device={str(self.device)!r})"
         )
 
 
-def _make_log(log: detach_logging | int | None) -> detach_logging | None:
-    if log is None or isinstance(log, detach_logging):
+_NOTHING = contextlib.nullcontext()  # reusable: no allocation per micro-step
+
+
+def _phase(doc: _doctor.doctor | None, name: str | None) -> contextlib.AbstractContextManager[Any]:
+    """The doctor's phase ``name``, or nothing (no doctor, or no phase to name)."""
+    if doc is None or name is None:
+        return _NOTHING
+    return doc.phase(name)
+
+
+def _make_log(log: _logging.detach_logging | int | None) -> _logging.detach_logging | None:
+    if log is None or isinstance(log, _logging.detach_logging):
         return log
     if not is_int_at_least(log, 1):
         raise ValueError(
             f"log must be a loopkit.detach_logging, an int >= 1 (print every that many "
             f"micro-steps) or None, got {log!r}"
         )
-    return detach_logging(every=log, sink=print_sink)
+    return _logging.detach_logging(every=log)  # prints: print_sink is the default

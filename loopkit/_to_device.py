@@ -21,7 +21,7 @@ from collections.abc import (
     MutableSet,
     Sequence,
 )
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, cast, overload
 
 import torch
 
@@ -35,7 +35,7 @@ R = TypeVar("R")
 _UINT8_SCALE = 1.0 / 255.0
 
 
-class _Mover:
+class Mover:
     """One configured transfer: built once, applied to every batch."""
 
     __slots__ = ("channels_last", "device", "mean", "non_blocking", "std", "uint8_dtype")
@@ -130,7 +130,14 @@ class _Mover:
                 out = out.contiguous(memory_format=torch.channels_last_3d)
         return out
 
-    def __call__(self, obj: Any) -> Any:
+    def move(self, batch: T) -> T:
+        """``batch`` with every tensor moved, as its own type."""
+        # cast: __call__ rebuilds each container as its own type, which its branches' types
+        # cannot express one by one.
+        return cast(T, self(batch))
+
+    # Any: ``obj`` comes back as its own type, which no annotation per branch can say.
+    def __call__(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj)
         if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
@@ -145,7 +152,9 @@ class _Mover:
                 for k, v in items.items():
                     new[k] = v
                 return new
-            return type(obj)(items)  # type: ignore[call-arg]
+            # An immutable mapping (a MappingProxyType, say) is rebuilt from a dict;
+            # the Mapping ABC declares no constructor.
+            return type(obj)(items)  # type: ignore[call-arg]  # Mapping declares no constructor
         if isinstance(obj, tuple):
             moved = [self(v) for v in obj]
             if hasattr(obj, "_fields"):  # namedtuple
@@ -242,7 +251,7 @@ def to_device(
     channels_last: bool = ...,
 ) -> T: ...
 def to_device(
-    obj: Any,
+    obj: object,
     device: DeviceLike | None = None,
     /,
     *,
@@ -250,7 +259,7 @@ def to_device(
     uint8_to: torch.dtype | None = None,
     normalize: tuple[Sequence[float], Sequence[float]] | None = None,
     channels_last: bool = False,
-) -> Any:
+) -> object:
     """Move every tensor in ``obj`` to ``device``; ``@to_device(device)`` moves a function's args.
 
     Containers (dict and other mappings, list, tuple, namedtuple, deque, set, frozenset,
@@ -266,16 +275,16 @@ def to_device(
     if device is None:
         # One argument: the decorator form, to_device(device).
         if isinstance(obj, (str, int, torch.device)) and not isinstance(obj, bool):
-            mover = _Mover(obj, non_blocking, uint8_to, normalize, channels_last)
+            mover = Mover(obj, non_blocking, uint8_to, normalize, channels_last)
             return _decorator(mover)
         raise TypeError(
             "to_device needs a device: call to_device(obj, device) to move obj, or use "
             f"@to_device(device) as a decorator (got a single {type(obj).__name__} argument)"
         )
-    return _Mover(device, non_blocking, uint8_to, normalize, channels_last)(obj)
+    return Mover(device, non_blocking, uint8_to, normalize, channels_last)(obj)
 
 
-def _decorator(mover: _Mover) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def _decorator(mover: Mover) -> Callable[[Callable[P, R]], Callable[P, R]]:
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         if not callable(fn):
             raise TypeError(f"@to_device(device) decorates a function, got {fn!r}")

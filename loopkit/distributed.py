@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._blocks import Blocks, select_blocks
+from ._devices import local_device
+from ._epoch_loader import EpochLoader
 from ._grad_sync import sync_kind
-from ._loader import EpochLoader, default_num_workers, loader
-from ._recompute import Blocks
+from ._loader import default_num_workers, loader
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -95,7 +97,7 @@ def _launch_env() -> dict[str, str] | None:
 def info() -> DistInfo:
     """The current process's place in the job (rank 0 of 1 when not distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return DistInfo(device=_local_device(int(os.environ.get("LOCAL_RANK", "0"))))
+        return DistInfo(device=local_device(int(os.environ.get("LOCAL_RANK", "0"))))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size())))
     return DistInfo(
@@ -103,15 +105,9 @@ def info() -> DistInfo:
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         local_world_size=local_world,
-        device=_local_device(local_rank),
+        device=local_device(local_rank),
         backend=str(dist.get_backend()),
     )
-
-
-def _local_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
 
 
 def setup(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> DistInfo:
@@ -200,9 +196,7 @@ def wrap(
         from torch.distributed.fsdp import fully_shard
 
         if fsdp is not True:
-            from ._recompute import _select
-
-            for block in _select(model, fsdp, 1):
+            for block in select_blocks(model, fsdp):
                 fully_shard(block)
         fully_shard(model)
         return model

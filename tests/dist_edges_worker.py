@@ -126,7 +126,7 @@ def fsdp2_flush_is_refused_and_keeps_the_window(info: distributed.DistInfo) -> d
         s.flush()
     except RuntimeError as err:
         error = str(err)
-    unchanged = torch.equal(flat(net), before) and s.updates == 0 and s.accumulate.micro_step == 1
+    unchanged = torch.equal(flat(net), before) and s.updates == 0 and s.micro_step == 1
     with s as st:  # the window's second micro-step syncs and closes it
         st.backward(mse(net, per_rank[info.rank][1]))
     window = [b for r in range(2) for b in per_rank[r]]

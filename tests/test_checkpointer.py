@@ -21,6 +21,8 @@ import loopkit
 from loopkit import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
 def _setup(tmp: Path, precision: str = "fp32") -> dict[str, Any]:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
@@ -43,7 +45,7 @@ def _train(run: dict[str, Any], epochs: int, save_at: int | None = None) -> None
         for x, y in step.iterate(loader):
             with step as s:
                 s.backward(nn.functional.mse_loss(run["model"](x), y))
-            if save_at is not None and step.updates == save_at and step.accumulate.micro_step == 0:
+            if save_at is not None and step.updates == save_at and step.accumulator.micro_step == 0:
                 run["ckpt"].save()
 
 
@@ -101,7 +103,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", dying_save)
-    run["step"].accumulate.updates += 1  # a new name, as after another update
+    run["step"].accumulator.updates += 1  # a new name, as after another update
     with pytest.raises(OSError, match="disk full"):
         run["ckpt"].save()
     monkeypatch.setattr(torch, "save", real_save)
@@ -352,7 +354,7 @@ def _train_until(run: dict[str, Any], updates: int, save_every: int | None = Non
         for x, y in step.iterate(loader):
             with step as s:
                 s.backward(nn.functional.mse_loss(run["model"](x), y))
-            if step.accumulate.micro_step == 0:
+            if step.accumulator.micro_step == 0:
                 run["counter"].n += 1
                 if save_every is not None and step.updates % save_every == 0:
                     run["ckpt"].save()
@@ -370,7 +372,12 @@ def _everything(run: dict[str, Any], directory: Path) -> dict[str, Any]:
         "lr": [g["lr"] for g in ckpt.optimizer.param_groups],
         "step": copy.deepcopy(run["step"].state_dict()),
         "counter": run["counter"].n,
-        "loader": (loader.epoch, loader.position, loader._resume_at, loader._pass_epoch),
+        "loader": (
+            loader.epoch,
+            loader.position,
+            loader._progress.resume_at,
+            loader._progress.pass_epoch,
+        ),
         "generator": loader.loader.generator.get_state(),
         "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
         "checkpointer": (ckpt._saves, ckpt.last_saved_update),
@@ -527,7 +534,7 @@ def test_a_temporary_removed_before_its_lock_is_taken_is_written_afresh(
     """A clean-up that deletes our temporary before we lock it: the save starts a new one."""
     import fcntl
 
-    from loopkit import _checkpointer
+    from loopkit import _checkpoint_files
 
     real_flock = fcntl.flock
     blocking_locks: list[int] = []
@@ -540,7 +547,7 @@ def test_a_temporary_removed_before_its_lock_is_taken_is_written_afresh(
                     tmp.unlink()  # as another process's clean-up would, holding the lock
         real_flock(fd, op)
 
-    monkeypatch.setattr(_checkpointer.fcntl, "flock", racing_flock)
+    monkeypatch.setattr(_checkpoint_files.fcntl, "flock", racing_flock)
     run = _setup(tmp_path)
     path = run["ckpt"].save()
     assert path is not None and len(blocking_locks) == 2  # the first one lost, redone
@@ -668,16 +675,16 @@ def test_save_writes_now_and_cancels_a_deferred_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """maybe_save on an epoch's last window waits; save() then writes once, and nothing later."""
-    from loopkit import _checkpointer
+    from loopkit import _checkpoint_files
 
     written: list[str] = []
-    real = _checkpointer._atomic_save
+    real = _checkpoint_files.atomic_save
 
     def counted(state: Any, path: Path) -> None:
         written.append(path.name)
         real(state, path)
 
-    monkeypatch.setattr(_checkpointer, "_atomic_save", counted)
+    monkeypatch.setattr(_checkpoint_files, "atomic_save", counted)
     run = _per_epoch_run(tmp_path)
     step, loader, model = run["step"], run["loader"], run["model"]
     for x, y in step.iterate(loader):

@@ -353,3 +353,89 @@ def test_fp16_overflow_check_is_loopkits_own_sync() -> None:
     assert stats["sync_ops"] == {}
     assert stats["expected_syncs_per_step"] == {"fp16's overflow check": 1.0}
     assert not any("host-device syncs" in t for t in doc.tips())
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+def test_attach_alone_tells_the_doctor_what_step_tells_it() -> None:
+    """doc.attach(model, optimizer, precision, device) leaves the doctor as loopkit.step does."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    alone, inside = loopkit.doctor(sample_syncs_at=()), loopkit.doctor(sample_syncs_at=())
+    alone.attach(model, opt, "fp16", "cpu")
+    loopkit.step(model, opt, precision="fp16", doctor=inside)
+    for doc in (alone, inside):
+        assert (doc.precision, doc.device, doc.optimizer) == ("fp16", torch.device("cpu"), opt)
+    for batch in batches([4] * 3):
+        with alone:
+            loss_fn(model, batch).backward()
+    assert "fp16 on a CPU" in alone.tips()[0]
+
+
+def test_step_tells_the_doctor_through_attach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """loopkit.step calls the attach a user calls alone: one path, so one behaviour."""
+    calls: list[tuple[Any, ...]] = []
+    real = loopkit.doctor.attach
+
+    def spy(self: loopkit.doctor, *args: Any, **kwargs: Any) -> None:
+        calls.append((*args, *kwargs.values()))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(loopkit.doctor, "attach", spy)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loopkit.step(model, opt, precision="bf16", doctor=loopkit.doctor())
+    assert calls == [(model, opt, "bf16", torch.device("cpu"))]
+
+
+def test_attach_takes_the_device_from_the_model_and_a_precision_name() -> None:
+    """Without device= the model's is used; a dtype names a precision; None gives no tips."""
+    model = mlp()
+    doc = loopkit.doctor()
+    doc.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.bfloat16)
+    assert doc.device == torch.device("cpu") and doc.precision == "bf16"
+    doc.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert doc.precision is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "hint"),
+    [
+        (lambda m, o: (m, "sgd"), TypeError, "torch.optim.Optimizer"),
+        (lambda m, o: ("model", o), TypeError, "nn.Module"),
+        (lambda m, o: (m, o, "fp8"), ValueError, "'bf16', 'fp16' or 'fp32'"),
+        (lambda m, o: (m, o, "fp32", 2.5), TypeError, r"str, int or torch\.device"),
+    ],
+)
+def test_attach_refuses_bad_arguments_and_changes_nothing(
+    bad: Any, exc: type[Exception], hint: str
+) -> None:
+    """A bad argument raises with the fix and leaves what the doctor knew unchanged."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    doc = loopkit.doctor()
+    doc.attach(model, opt, "bf16", "cpu")
+    with pytest.raises(exc, match=hint):
+        doc.attach(*bad(mlp(1), torch.optim.SGD(model.parameters(), lr=0.2)))
+    assert (doc.precision, doc.device, doc.optimizer) == ("bf16", torch.device("cpu"), opt)
+
+
+def test_attach_inside_a_step_is_refused() -> None:
+    """The loop a doctor measures changes between steps, not inside one."""
+    model = mlp()
+    doc = loopkit.doctor()
+    with doc, pytest.raises(RuntimeError, match="between steps"):
+        doc.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@requires_cuda
+def test_attach_to_a_cuda_model_times_phases_with_events() -> None:
+    """Attached alone to a CUDA model (no device=), the doctor times phases by CUDA events."""
+    model = mlp().cuda()
+    doc = loopkit.doctor(sample_syncs_at=())
+    doc.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
+    assert doc.device is not None and doc.device.type == "cuda"
+    for _ in range(2):
+        with doc:
+            model(torch.randn(4, 8, device="cuda")).sum().backward()
+    assert doc.stats()["seconds"]["compute"] > 0
+    assert doc._clock.cuda

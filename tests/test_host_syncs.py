@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import requires_cuda
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -16,7 +17,8 @@ from torch.utils._python_dispatch import (
 )
 
 import loopkit
-from loopkit._host_syncs import _CudaSyncCounter, expected_sync
+from loopkit._cuda_syncs import CudaSyncCounter
+from loopkit._host_syncs import expected_sync
 
 _x = torch.randn(4)
 _s = torch.tensor(1.5)
@@ -88,6 +90,29 @@ def test_counters_exit_in_any_order_and_leave_no_mode(order: str) -> None:
     assert not is_in_torch_dispatch_mode()
     assert inner.events == {"Tensor.item": 2 if order == "outer first" else 1}
     assert outer.events == {"Tensor.item": 2 if order == "outer first" else 3}
+
+
+@pytest.mark.parametrize("first", ["track_memory", "count_host_syncs"])
+def test_exits_out_of_order_with_track_memory(first: str) -> None:
+    """track_memory and count_host_syncs entered A then B, exited A first: each stops at its
+    own exit, and no mode is left."""
+    mem, syncs = loopkit.track_memory(), loopkit.count_host_syncs()
+    outer, inner = (mem, syncs) if first == "track_memory" else (syncs, mem)
+    outer.__enter__()
+    inner.__enter__()
+    a = torch.zeros(256)  # 1024 bytes, seen by both
+    a.sum().item()
+    outer.__exit__(None, None, None)  # out of order: the inner one is still open
+    b = torch.zeros(512)
+    b.sum().item()
+    assert (mem.live == 1024 + 2048) is (inner is mem)  # the open one still sees b
+    assert syncs.count == (2 if inner is syncs else 1)
+    inner.__exit__(None, None, None)
+    torch.zeros(1024).sum().item()
+    assert _loopkit_modes() == [] and not is_in_torch_dispatch_mode()
+    assert syncs.count == (2 if inner is syncs else 1)
+    assert mem.live == (1024 + 2048 if inner is mem else 1024)
+    del a, b
 
 
 class _Passthrough(TorchDispatchMode):
@@ -189,7 +214,7 @@ def test_expected_sync_needs_a_reason(reason: Any) -> None:
 def test_cuda_sync_warnings_inside_expected_sync_are_labelled() -> None:
     """The doctor's CUDA counter files sync warnings raised inside expected_sync by reason."""
     sync = "called a synchronizing CUDA operation"
-    with pytest.warns(UserWarning, match="unrelated"), _CudaSyncCounter() as counter:
+    with pytest.warns(UserWarning, match="unrelated"), CudaSyncCounter() as counter:
         warnings.warn(sync, stacklevel=1)
         with expected_sync("fp16's overflow check"):
             warnings.warn(sync, stacklevel=1)
@@ -199,3 +224,37 @@ def test_cuda_sync_warnings_inside_expected_sync_are_labelled() -> None:
             warnings.warn(sync, stacklevel=1)
     assert counter.events == {sync: 1}
     assert counter.expected == {"fp16's overflow check": 2, "inner": 1}
+
+
+def test_cuda_counter_leaves_the_users_warning_filters_in_charge() -> None:
+    """Only sync warnings are forced through: an "error" filter still raises where the warning
+    is made, an "ignore" filter still hides it, and shown warnings reach the outer handler."""
+    sync = "called a synchronizing CUDA operation"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with CudaSyncCounter() as counter:
+            warnings.warn(sync, stacklevel=1)  # counted, not raised
+            with pytest.raises(UserWarning, match="mine"):
+                warnings.warn("mine", stacklevel=1)
+    assert counter.events == {sync: 1}
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="quiet")
+        with CudaSyncCounter() as counter:
+            warnings.warn("quiet", stacklevel=1)
+            warnings.warn("loud", stacklevel=1)
+            warnings.warn(sync, stacklevel=1)
+    assert [str(w.message) for w in shown] == ["loud"] and counter.events == {sync: 1}
+
+
+@requires_cuda
+def test_cuda_counter_restores_the_previous_sync_debug_mode() -> None:
+    """The counter sets "warn" while it counts, then puts back what the user had."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with CudaSyncCounter():
+            assert torch.cuda.get_sync_debug_mode() == 1
+        assert torch.cuda.get_sync_debug_mode() == 2
+    finally:
+        torch.cuda.set_sync_debug_mode(before)

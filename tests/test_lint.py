@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loopkit import lint
+from loopkit.lint._registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "lint_corpus"
@@ -19,6 +20,8 @@ BAD = sorted((CORPUS / "bad").glob("*.py"))
 GOOD = sorted((CORPUS / "good").glob("*.py"))
 PY2 = CORPUS / "unparsable" / "py2_script.py"
 CODES = re.compile(r"LK\d{3}")
+EVERY_RULE = list(REGISTRY)
+OFF_BY_DEFAULT = {code for code, rule in REGISTRY.items() if not rule.default}
 
 
 def _expected_codes(path: Path) -> set[str]:
@@ -60,17 +63,22 @@ def test_corpus_covers_every_rule() -> None:
 
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
 def test_bad_file_gives_exactly_its_codes(path: Path) -> None:
-    """The codes found equal the '# expect:' header, each on its '# <- LK00N' line."""
-    findings = lint.check_paths([path])
+    """With every rule, the codes found equal the '# expect:' header, each on its '# <- LK00N'
+    line; by default, the same less the rules that are off by default."""
+    findings = lint.check_paths([path], select=EVERY_RULE)
     assert {f.code for f in findings} == _expected_codes(path)
     assert {(f.code, f.line) for f in findings} == _expected_lines(path)
     assert all(f.path == str(path) and f.col >= 1 for f in findings)
+    by_default = lint.check_paths([path])
+    assert by_default == [f for f in findings if f.code not in OFF_BY_DEFAULT]
 
 
 @pytest.mark.parametrize("path", GOOD, ids=lambda p: p.name)
 def test_good_file_is_clean(path: Path) -> None:
-    """Correct loops (logging every N, inference_mode, seeded workers, loopkit) give nothing."""
+    """Correct loops (logging every N, inference_mode, seeded workers, loopkit) give nothing,
+    with every rule on."""
     assert lint.check_paths([path]) == []
+    assert lint.check_paths([path], select=EVERY_RULE) == []
 
 
 def test_examples_lint_clean() -> None:
@@ -129,7 +137,7 @@ def test_json_output() -> None:
         ("LK006", 14),
         ("LK002", 28),
         ("LK001", 32),
-        ("LK008", 34),
+        ("LK008", 37),  # the forward pass after net.eval(), not net.eval() itself
     ]
     for row in rows:
         assert set(row) == {"path", "line", "col", "code", "message", "fix"}
@@ -148,6 +156,23 @@ def test_select_keeps_only_those_codes() -> None:
     ]
     assert _cli("--select", "LK003", path).returncode == 0
     assert [f.code for f in lint.check_paths([path], select=["LK001"])] == ["LK001"]
+
+
+def test_lk011_is_opt_in() -> None:
+    """LK011 (reproducibility, not speed) runs only when selected: --select LK011 or --all."""
+    path = CORPUS / "bad" / "lk011_unseeded_workers.py"
+    assert [(f.code, f.line) for f in lint.check_paths([path])] == [("LK007", 21)]
+    assert [(f.code, f.line) for f in lint.check_paths([path], select=["LK011"])] == [
+        ("LK011", 21),
+        ("LK011", 22),
+    ]
+    selected = _cli("--select", "lk011", "--format", "json", _rel(path))
+    assert [r["code"] for r in json.loads(selected.stdout)] == ["LK011", "LK011"]
+    every = _cli("--all", "--format", "json", _rel(path))
+    assert [r["code"] for r in json.loads(every.stdout)] == ["LK007", "LK011", "LK011"]
+    both = _cli("--all", "--select", "LK011", _rel(path))
+    assert (both.returncode, both.stdout) == (2, "")
+    assert "not allowed with" in both.stderr
 
 
 def test_silencing_comments() -> None:
@@ -228,7 +253,7 @@ def test_folders_recurse_and_skip_hidden(tmp_path: Path) -> None:
         ("while True:\n    m = torch.ones(3).to(dev, non_blocking=True)\n", [("LK004", 2)]),
         # **kwargs hides the loader settings: no guess.
         ("dl = DataLoader(ds, **loader_kwargs)\ntorch.cuda.init()\n", []),
-        # Positional num_workers=4 and pin_memory=True, no seeding: only LK011.
+        # Positional num_workers=4 and pin_memory=True, no seeding: only LK011 (opt-in).
         (
             "dl = DataLoader(ds, 8, True, None, None, 4, None, True)\nx = 'cuda'\n",
             [("LK011", 1)],
@@ -258,10 +283,13 @@ def test_folders_recurse_and_skip_hidden(tmp_path: Path) -> None:
     ],
 )
 def test_heuristic_edges(source: str, expected: list[tuple[str, int]] | None) -> None:
-    """Edge cases of the heuristics give exactly these findings (None: LK002 on the last line)."""
+    """Edge cases of the heuristics give exactly these findings with every rule on (None: LK002
+    on the last line); by default, the same less LK011."""
     if expected is None:
         expected = [("LK002", source.count("\n"))]
-    assert [(f.code, f.line) for f in lint.check_source(source)] == expected
+    every = lint.check_source(source, select=EVERY_RULE)
+    assert [(f.code, f.line) for f in every] == expected
+    assert lint.check_source(source) == [f for f in every if f.code not in OFF_BY_DEFAULT]
 
 
 def test_api_types() -> None:
@@ -272,4 +300,4 @@ def test_api_types() -> None:
     assert finding.fix == lint.RULES["LK003"][1]
     assert finding.format().startswith("t.py:2:5: LK003 `torch.cuda.empty_cache()` inside a loop")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        finding.line = 3  # type: ignore[misc]
+        finding.line = 3  # type: ignore[misc]  # frozen: mypy rejects what must raise here

@@ -30,8 +30,8 @@ def _internal(loader: distributed.EpochLoader) -> tuple[Any, ...]:
     return (
         loader.epoch,
         loader.position,
-        loader._resume_at,
-        loader._pass_epoch,
+        loader._progress.resume_at,
+        loader._progress.pass_epoch,
         generator.get_state(),
     )
 

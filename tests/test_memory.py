@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 import loopkit
 
@@ -49,3 +51,14 @@ def test_graph_keeps_saved_tensors_alive() -> None:
     assert after == 64 * 64 * 4  # only w.grad remains
     mem.reset_peak()
     assert mem.peak == mem.live
+
+
+def test_entered_twice_is_refused() -> None:
+    """A second entry of one track_memory raises and leaves it tracking as before."""
+    with loopkit.track_memory() as mem:
+        with pytest.raises(RuntimeError, match="already tracking"):
+            mem.__enter__()
+        a = torch.zeros(256)
+        assert mem.live == 1024
+    assert not is_in_torch_dispatch_mode()
+    del a

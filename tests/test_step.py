@@ -135,7 +135,7 @@ def test_iterate_moves_batches_and_closes_the_ragged_window() -> None:
         with step as s:
             s.backward(loss_fn(model, (batch["x"], batch["y"])))
         seen += 1
-    assert seen == 6 and step.updates == 2 and step.accumulate.micro_step == 0
+    assert seen == 6 and step.updates == 2 and step.micro_step == 0
 
 
 def test_building_the_step_inside_the_loop_is_refused() -> None:
@@ -259,7 +259,35 @@ def test_a_refused_micro_step_leaves_the_doctor_outside_the_step() -> None:
     head = loopkit.step(model, torch.optim.SGD(model[2].parameters(), lr=0.1), doctor=doc)
     with body, pytest.raises(RuntimeError, match="one optimizer"), head:
         pass
-    assert not doc._inside and doc.steps == 0
+    assert not doc._clock.inside and doc.steps == 0
     with head as s:  # the doctor takes the next step normally
         s.backward(model(torch.ones(2, 8)).sum())
     assert doc.steps == 1
+
+
+def test_the_accumulate_attribute_is_deprecated_for_accumulator() -> None:
+    """step.accumulate (the object) still works, with a DeprecationWarning naming accumulator."""
+    model = mlp()
+    s = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    with pytest.warns(DeprecationWarning, match="step.accumulator"):
+        assert s.accumulate is s.accumulator
+
+
+def test_step_decorates_a_micro_step_function() -> None:
+    """@step on a micro-step function enters and leaves the step around each call."""
+    model, ref_model = mlp(), mlp()
+    s = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    data = batches([4] * 4)
+
+    @s
+    def micro_step(batch: Any) -> None:
+        s.backward(loss_fn(model, batch))
+
+    for batch in data:
+        micro_step(batch)
+    ref = loopkit.step(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), accumulate=2)
+    for batch in data:
+        with ref as r:
+            r.backward(loss_fn(ref_model, batch))
+    assert s.updates == 2
+    assert_bit_equal(params(model), params(ref_model))

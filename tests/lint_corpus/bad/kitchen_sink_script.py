@@ -31,9 +31,9 @@ for epoch in range(2):
             running_loss = 0.0
         epoch_losses.append(loss)  # <- LK001
 
-net.eval()  # <- LK008
+net.eval()
 correct = 0
 for images, labels in testloader:
-    outputs = net(images.to(device))
+    outputs = net(images.to(device))  # <- LK008
     correct += (outputs.argmax(1) == labels.to(device)).sum().item()
 print(f"accuracy {100 * correct / len(testset):.1f}%")

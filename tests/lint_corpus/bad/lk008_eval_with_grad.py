@@ -5,11 +5,11 @@ from torch import nn
 
 
 def evaluate(model: nn.Module, loader, device) -> float:
-    model.eval()  # <- LK008
+    model.eval()
     correct = total = 0
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
-        outputs = model(images)
+        outputs = model(images)  # <- LK008
         correct += (outputs.argmax(dim=1) == labels).sum().item()
         total += labels.numel()
     model.train()
@@ -25,5 +25,5 @@ class Classifier(nn.Module):
         return self.net(x)
 
     def predict(self, x):
-        self.eval()  # <- LK008
-        return self(x).argmax(-1)
+        self.eval()
+        return self(x).argmax(-1)  # <- LK008

@@ -1,5 +1,5 @@
 # expect: LK007, LK011
-"""Workers with numpy augmentation, but nothing seeds them."""
+"""Shuffled loaders with workers and no generator: the data order follows the global RNG."""
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset

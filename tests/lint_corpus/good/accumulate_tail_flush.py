@@ -1,4 +1,4 @@
-"""Hand-written accumulation that does step the ragged last window."""
+"""Hand-written accumulation that does step the ragged last window."""  # clean: LK009, LK010
 import torch
 from torch import nn
 

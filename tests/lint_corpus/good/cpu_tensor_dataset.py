@@ -1,4 +1,4 @@
-"""A CPU-only run over in-memory tensors: workers and pinning would only add overhead."""
+"""A CPU-only run over in-memory tensors: workers and pinning would only add overhead."""  # clean: LK007
 import torch
 from torch import nn
 

@@ -1,4 +1,4 @@
-"""Loss histories that hold no graph, and a scheduler stepped once per epoch."""
+"""Loss histories that hold no graph, and a scheduler stepped once per epoch."""  # clean: LK001, LK005
 import torch
 from torch import nn
 

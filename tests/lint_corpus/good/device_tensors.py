@@ -1,4 +1,4 @@
-"""Tensors created on the device or held as buffers; dtype conversions in the loop are fine."""
+"""Tensors created on the device or held as buffers; dtype conversions in the loop are fine."""  # clean: LK004
 import torch
 from torch import nn
 

@@ -1,4 +1,4 @@
-"""Evaluation under inference_mode / no_grad, four common ways."""
+"""Evaluation under inference_mode / no_grad, four common ways."""  # clean: LK008
 import torch
 from torch import nn
 

@@ -1,4 +1,4 @@
-"""Host reads only every 100 steps; the loader loads in workers, pinned and seeded."""
+"""Host reads only every 100 steps; the loader loads in workers, pinned and seeded."""  # clean: LK002, LK007, LK011
 import random
 
 import numpy as np

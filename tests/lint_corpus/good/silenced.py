@@ -1,4 +1,4 @@
-"""Known, deliberate habits, silenced on their line."""
+"""Known, deliberate habits, silenced on their line."""  # clean: LK001, LK002, LK003
 import torch
 from torch import nn
 

@@ -1,4 +1,4 @@
-"""Newer syntax: match, walrus, async for, f-string =, parenthesized with, positional-only."""
+"""Newer syntax: match, walrus, async for, f-string =, parenthesized with, positional-only."""  # clean: LK002, LK008
 import asyncio
 
 import torch

@@ -1,0 +1,56 @@
+"""One accumulation window's state: what its micro-steps have done so far.
+
+A window that closes (or is dropped) is replaced by a new instance: a reset is one
+assignment, so no field can be forgotten.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Window:
+    """What one accumulation window has seen."""
+
+    __slots__ = (
+        "cleared_foreign",
+        "last_synced",
+        "loss_finite",
+        "micro",
+        "n_backward",
+        "weight_min",
+        "weight_sum",
+        "weighted",
+    )
+
+    def __init__(self) -> None:
+        self.micro = 0  # micro-steps entered
+        self.n_backward = 0  # of which called backward
+        self.weighted: bool | None = None  # whether its micro-steps pass weight=
+        self.weight_sum: Any = 0  # float or device tensor
+        self.weight_min: torch.Tensor | None = None  # for weights that live on a device
+        self.loss_finite: torch.Tensor | None = None  # device flag, when losses are watched
+        self.last_synced = True  # whether the last backward ran with gradient sync
+        self.cleared_foreign = False  # gradients from elsewhere were cleared when it opened
+
+    def add_backward(
+        self, weight: Any, weighted: bool, finite: torch.Tensor | None, synced: bool
+    ) -> None:
+        """Record a micro-step's backward (after it succeeded)."""
+        if finite is not None:
+            prior = self.loss_finite
+            self.loss_finite = finite if prior is None else prior & finite
+        self.weighted = weighted
+        self.weight_sum = weight if self.n_backward == 0 else self.weight_sum + weight
+        if isinstance(weight, torch.Tensor):
+            low = self.weight_min
+            self.weight_min = weight if low is None else torch.minimum(low, weight)
+        self.n_backward += 1
+        self.last_synced = synced
+
+    def bad_device_weight(self) -> Any:
+        """A 0-d bool tensor: whether a device weight was not positive and finite; False if none."""
+        low = self.weight_min
+        return False if low is None else ~(torch.isfinite(low) & (low > 0))

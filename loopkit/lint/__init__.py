@@ -1,0 +1,38 @@
+"""A static checker for PyTorch training scripts: find what slows the loop, line by line.
+
+``python -m loopkit.lint PATH...`` reads each script with :mod:`ast` (it never imports or
+runs it) and reports the anti-patterns the PyTorch performance guides warn about: a host
+sync every step, a loss kept in a list, tensors built on the CPU and copied every step,
+``nn.DataParallel``, a DataLoader that loads in the main process, evaluation that records a
+graph, a ragged accumulation window that is never stepped, and more. Each finding names
+why it costs and the loopkit line that fixes it.
+
+The heuristics prefer silence to noise: a rule fires only on a pattern it can see whole in
+one file. ``# loopkit: ignore`` (or ``# loopkit: ignore[LK002,LK007]``) on a line silences
+it. Nothing here imports torch, so a CI job can lint without installing it.
+
+Layout: ``_syntax`` (pure questions about one node), ``_script`` (the script model: loops,
+scopes, grad-off regions, training steps), ``_rule`` (the ``@rule`` declaration),
+``_rules/<theme>.py`` (the rules), ``_registry`` (collects them), ``_findings``,
+``_check`` and ``_cli``.
+"""
+
+from __future__ import annotations
+
+from ._check import check_paths, check_source, iter_python_files
+from ._cli import main
+from ._findings import Finding
+from ._registry import REGISTRY, markdown_table
+
+__all__ = [
+    "RULES",
+    "Finding",
+    "check_paths",
+    "check_source",
+    "iter_python_files",
+    "main",
+    "markdown_table",
+]
+
+# code -> (why it costs, the loopkit one-liner that fixes it), every rule, off-by-default too
+RULES: dict[str, tuple[str, str]] = {code: (r.why, r.fix) for code, r in REGISTRY.items()}

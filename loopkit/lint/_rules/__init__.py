@@ -1,0 +1,1 @@
+"""The rules, one module per theme; ``.._registry`` collects every ``@rule`` declared here."""

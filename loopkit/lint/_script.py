@@ -1,0 +1,185 @@
+"""The script model the rules ask: where a node runs (loops, scopes, grad-off regions), which
+loops train, which calls step the optimizer.
+
+Everything past the parent map is computed on first use, so a run of a few selected rules
+pays only for what those rules ask.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import cached_property
+
+from ._syntax import (
+    FUNCS,
+    LOOP_OR_SCOPE,
+    SCOPES,
+    callee,
+    dotted,
+    has_mod,
+    is_detached,
+    mentions_grad_off,
+    method,
+    receiver,
+    walk_scope,
+)
+
+Loop = ast.For | ast.AsyncFor | ast.While
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """Which loops and functions of a script train, found together from its backward calls."""
+
+    training: frozenset[ast.AST]  # loops with a backward call in them
+    step_loops: frozenset[ast.AST]  # loops whose every iteration is a training step
+    called_step_funcs: frozenset[ast.AST]  # one-step functions some loop calls
+
+
+class Script:
+    """One parsed file; the questions the rules ask about it."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.tree = tree
+        self.parents: dict[ast.AST, ast.AST] = {}
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                self.parents[child] = node
+        self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+
+    def calls_to(self, name: str) -> list[ast.Call]:
+        """Calls whose callee's last name is ``name``: ``torch.utils.data.DataLoader(...)``."""
+        return [c for c in self.calls if callee(c) == name]
+
+    def method_calls(self, name: str) -> list[ast.Call]:
+        """Calls ``x.name(...)``."""
+        return [c for c in self.calls if method(c) == name]
+
+    # ---- where a node runs -------------------------------------------------------------
+
+    def loops_of(self, node: ast.AST) -> list[Loop]:
+        """The loops that repeat ``node``, innermost first, inside its own function."""
+        loops: list[Loop] = []
+        child, parent = node, self.parents.get(node)
+        while parent is not None and not isinstance(parent, SCOPES):
+            if isinstance(parent, ast.For | ast.AsyncFor):
+                if any(s is child for s in parent.body):
+                    loops.append(parent)
+            elif isinstance(parent, ast.While) and (
+                child is parent.test or any(s is child for s in parent.body)
+            ):
+                loops.append(parent)
+            child, parent = parent, self.parents.get(parent)
+        return loops
+
+    def scope_of(self, node: ast.AST) -> ast.AST:
+        parent = self.parents.get(node)
+        while parent is not None and not isinstance(parent, SCOPES):
+            parent = self.parents.get(parent)
+        return parent if parent is not None else self.tree
+
+    def guarded_by_mod(self, node: ast.AST, stop: ast.AST) -> bool:
+        """True when ``node`` runs only under an ``if`` whose test has ``%`` (below ``stop``)."""
+        child, parent = node, self.parents.get(node)
+        while parent is not None and parent is not stop:
+            if isinstance(parent, ast.If) and any(s is child for s in parent.body):
+                if has_mod(parent.test):
+                    return True
+            elif isinstance(parent, ast.IfExp) and child is parent.body and has_mod(parent.test):
+                return True
+            child, parent = parent, self.parents.get(parent)
+        return False
+
+    def grad_off(self, node: ast.AST) -> bool:
+        """True when ``node`` runs under ``with torch.no_grad()`` or a no-grad decorator."""
+        parent = self.parents.get(node)
+        while parent is not None:
+            if isinstance(parent, ast.With | ast.AsyncWith) and any(
+                mentions_grad_off(item.context_expr) for item in parent.items
+            ):
+                return True
+            if isinstance(parent, FUNCS) and any(
+                mentions_grad_off(d) for d in parent.decorator_list
+            ):
+                return True
+            parent = self.parents.get(parent)
+        return False
+
+    def following(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """Statements that run after ``stmt`` before its enclosing loop repeats or returns."""
+        after: list[ast.stmt] = []
+        node: ast.AST = stmt
+        while True:
+            parent = self.parents.get(node)
+            if parent is None:
+                return after
+            for _, value in ast.iter_fields(parent):
+                if isinstance(value, list) and any(v is node for v in value):
+                    index = next(i for i, v in enumerate(value) if v is node)
+                    after.extend(v for v in value[index + 1 :] if isinstance(v, ast.stmt))
+            if isinstance(parent, LOOP_OR_SCOPE):
+                return after
+            node = parent
+
+    # ---- what trains -------------------------------------------------------------------
+
+    @cached_property
+    def optimizer_steps(self) -> frozenset[ast.Call]:
+        """``optimizer.step()``/``scaler.step(opt)`` calls; schedulers and loopkit.step not."""
+        steps: set[ast.Call] = set()
+        for call in self.method_calls("step"):
+            name = dotted(receiver(call)) or ""
+            if "sched" not in name.lower() and name != "loopkit":
+                steps.add(call)
+        return frozenset(steps)
+
+    @cached_property
+    def shape(self) -> TrainingShape:
+        """Find the training loops (they contain backward) and the per-step ones among them."""
+        training: set[ast.AST] = set()
+        step_loops: set[ast.AST] = set()
+        backward = self.method_calls("backward")
+        for call in backward:
+            loops = self.loops_of(call)
+            training.update(loops)
+            if loops:
+                step_loops.add(loops[0])
+        # nanoGPT's shape: backward in an inner micro-batch loop, the update in the outer one.
+        for call in self.optimizer_steps:
+            loops = self.loops_of(call)
+            if loops and loops[0] in training:
+                step_loops.add(loops[0])
+        # A function that back-propagates outside any loop of its own is one training step.
+        step_funcs: dict[str, ast.AST] = {}
+        for call in backward:
+            scope = self.scope_of(call)
+            if isinstance(scope, FUNCS) and not self.loops_of(call):
+                step_funcs[scope.name] = scope
+        called: set[ast.AST] = set()
+        for call in self.calls:
+            func = step_funcs.get(callee(call))
+            loops = self.loops_of(call)
+            if func is not None and loops:
+                called.add(func)
+                step_loops.add(loops[0])
+        return TrainingShape(frozenset(training), frozenset(step_loops), frozenset(called))
+
+    # ---- what holds a graph ------------------------------------------------------------
+
+    @cached_property
+    def float_funcs(self) -> frozenset[str]:
+        """Functions of this file whose every return value holds no graph (loss.item(), ...)."""
+        names: set[str] = set()
+        for func in ast.walk(self.tree):
+            if isinstance(func, FUNCS):
+                returns = [n for n in walk_scope(func) if isinstance(n, ast.Return)]
+                if returns and all(is_detached(r.value) for r in returns):
+                    names.add(func.name)
+        return frozenset(names)
+
+    def holds_no_graph(self, value: ast.AST | None) -> bool:
+        """True for ``loss.item()``, ``loss.detach()``, ``float(x)``, or a local float helper."""
+        if isinstance(value, ast.Call) and callee(value) in self.float_funcs:
+            return True
+        return is_detached(value)
