@@ -30,6 +30,7 @@ _WHERE: dict[str, str] = {
     "Checkpointer": "_checkpointer",
     "load_checkpoint": "_checkpoint_files",
     "step": "_step",
+    "steps": "_steps",
     "no_sync": "_grad_sync",
     "count_host_syncs": "_host_syncs",
     "CheckpointError": "_errors",
@@ -82,6 +83,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._sinks import TensorBoardSink as TensorBoardSink
     from ._sinks import print_sink as print_sink
     from ._step import step as step
+    from ._steps import steps as steps
     from ._to_device import to_device as to_device
     from ._types import DeviceLike as DeviceLike
     from ._types import Precision as Precision

@@ -125,6 +125,8 @@ class accumulate(contextlib.ContextDecorator):
         self._in_no_sync = False
         self._ending = False
         self._final_pending = False  # iterate handed out the last item: its micro-step ends
+        self._many = False  # DDP: micro-steps make several backward passes (see backward)
+        self._micro_weight: Any = None  # the weight of the micro-step now open
         self.lookahead = 0
         """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
         # Weighted normalization reference: fixed at the first weighted backward so that
@@ -180,8 +182,9 @@ class accumulate(contextlib.ContextDecorator):
             # A window opens: gradients left by code outside it (another model's backward
             # through this one, a forward/backward outside the step) must not join its update.
             window.cleared_foreign = self._clear_grads()
-        if not ending and self._no_sync is not None:
+        if (not ending or self._many) and self._no_sync is not None:
             # Entered before the forward: DDP decides at the forward whether to all-reduce.
+            # (A step whose micro-steps back-propagate several times reduces by hand, once.)
             self._no_sync.__enter__()
             self._in_no_sync = True
         self._final_pending = False  # the mark is for this one micro-step only
@@ -191,31 +194,43 @@ class accumulate(contextlib.ContextDecorator):
         window.micro += 1
         return self
 
-    def backward(self, loss: torch.Tensor, weight: Weight | None = None) -> None:
+    def backward(
+        self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any
+    ) -> None:
         """Back-propagate this micro-batch's loss, normalized for the window.
 
-        ``loss`` is the micro-batch's mean loss as usual. ``weight`` (samples or tokens
-        in the micro-batch) makes unequal micro-batches count in proportion, so the
-        update equals the one of a single batch holding all of them.
+        ``loss`` is the micro-batch's mean loss as usual. ``weight`` (samples or tokens in
+        the micro-batch) makes unequal micro-batches count in proportion, so the update
+        equals the one of a single batch holding all of them. Several backward calls in
+        one micro-step (two losses whose graphs should not stay alive together) add up to
+        that micro-step's contribution, normalized once; ``weight=`` belongs to the
+        micro-step, on its first call. ``inputs=``/``retain_graph=`` go to autograd.
         """
         if not self._inside:
             raise RuntimeError(
                 "acc.backward(loss) must be called inside `with acc:` (it belongs to that "
                 "micro-step's window)"
             )
-        if self._did_backward:
-            raise RuntimeError(
-                "acc.backward was already called in this micro-step: add the losses and call "
-                "it once, or use one `with acc:` per micro-batch"
-            )
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
-        window = self._window
+        window, first = self._window, not self._did_backward
         weighted = weight is not None
-        if window.weighted is not None and weighted != window.weighted:
+        if first and window.weighted is not None and weighted != window.weighted:
             raise ValueError(
                 "pass weight= on every micro-step of a window or on none: this window "
                 f"started {'with' if window.weighted else 'without'} weights"
+            )
+        if not first and weighted:
+            raise ValueError(
+                "weight= belongs to the micro-step: pass it on the micro-step's first "
+                "backward only (the later ones take the same weight)"
+            )
+        if self._in_no_sync and self._forward_was_synced():
+            raise RuntimeError(
+                "this DDP model's forward ran with gradient sync on, outside this micro-step "
+                "(which runs under no_sync), so DDP would all-reduce this backward: run the "
+                "forward inside `with step:`, or loop over loopkit.steps(...).iterate(loader), "
+                "which turns sync off for the whole iteration"
             )
         w: Any = 1
         w_ref = self._w_ref
@@ -223,17 +238,33 @@ class accumulate(contextlib.ContextDecorator):
             w = checked_weight(weight)
             if w_ref is None:
                 w_ref = agreed_reference(w, self.every, self._kind != "none", self._rule.group)
-        scaled = scaled_loss(loss, self.every, w if weighted else None, w_ref)
+        elif not first and window.weighted:
+            w = self._micro_weight
+        scaled = scaled_loss(loss, self.every, w if window.weighted or weighted else None, w_ref)
         finite = torch.isfinite(loss.detach()) if self._rule.watch_loss else None
         if self.amp is not None:
-            self.amp.backward(scaled)
+            self.amp.backward(scaled, **autograd)
         else:
-            scaled.backward()
+            scaled.backward(**autograd)
         # State changes only once backward has succeeded.
-        if weighted:
-            self._w_ref = w_ref
-        window.add_backward(w, weighted, finite, synced=not self._in_no_sync)
+        synced = not self._in_no_sync
+        if first:
+            if weighted:
+                self._w_ref, self._micro_weight = w_ref, w
+            window.add_backward(w, weighted, finite, synced)
+        else:
+            window.add_more(finite, synced)
+            if self._kind == "ddp" and not self._many:
+                # DDP reduces at every synced backward: from now on this step's window-ending
+                # micro-steps run under no_sync and reduce once, at their end.
+                self._many = True
         self._did_backward = True
+
+    def _forward_was_synced(self) -> bool:
+        """Whether a DDP model's last forward ran with gradient sync (it was not ours)."""
+        return self._kind == "ddp" and bool(
+            getattr(unwrap(self.model), "require_forward_param_sync", False)
+        )
 
     def __exit__(
         self,

@@ -7,11 +7,12 @@ groups, accumulation and precision, data set and batch size), and loads it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from . import _accumulate, _step
+from . import _accumulate, _step, _steps
 from ._epoch_loader import EpochLoader, LoaderSnapshot
 from ._errors import CheckpointError
 from ._grad_sync import sync_kind, unwrap
@@ -196,6 +197,7 @@ class StepState(UserState):
         super().__init__(step)
         self.step = step
         self.accumulator = step.accumulator if isinstance(step, _step.step) else step
+        self.clock: Clock = self.accumulator
 
     def _counters(self, saved: Mapping[str, object]) -> Mapping[str, object]:
         if isinstance(self.step, _step.step):
@@ -223,6 +225,48 @@ class StepState(UserState):
     def saved_updates(self, saved: object) -> int:
         """The update count in a checked saved state."""
         updates = self._counters(expect(saved, Mapping, "'step'"))["updates"]
+        assert isinstance(updates, int)  # check_state_dict made sure
+        return updates
+
+
+class Clock(Protocol):
+    """What a Checkpointer reads of a step: updates, the open window, the held-back batch."""
+
+    @property
+    def updates(self) -> int: ...
+    @property
+    def micro_step(self) -> int: ...
+    @property
+    def every(self) -> int: ...
+    @property
+    def lookahead(self) -> int: ...
+
+
+class StepsState(UserState):
+    """A ``loopkit.steps`` group: every member's state, and the clock's windows."""
+
+    def __init__(self, group: _steps.steps) -> None:
+        super().__init__(group)
+        self.group = group
+        self.clock: Clock = group
+        self._members = [StepState(m) for m in group.members]
+
+    def check_state_dict(self, saved: object) -> None:
+        state = expect(saved, Mapping, "'step'")
+        members = need(state, "steps", list, "'step.steps'")
+        if len(members) != len(self._members):
+            raise CheckpointError(
+                f"saved with {len(members)} steps in the group but this run's group has "
+                f"{len(self._members)}: build loopkit.steps(...) with the same steps, in order"
+            )
+        for piece, member in zip(self._members, members, strict=True):
+            piece.check_state_dict(member)
+        if need(state, "updates", int, "the group's 'updates'") < 0:
+            raise CheckpointError("damaged checkpoint: the group's 'updates' is negative")
+
+    def saved_updates(self, saved: object) -> int:
+        """The clock's windows in a checked saved state."""
+        updates = expect(saved, Mapping, "'step'")["updates"]
         assert isinstance(updates, int)  # check_state_dict made sure
         return updates
 
@@ -282,10 +326,15 @@ def pieces_for(
         if not isinstance(scheduler, Stateful):
             raise TypeError("scheduler must have state_dict() and load_state_dict()")
         pieces["scheduler"] = UserState(scheduler)
-    stepper = None
-    if step is not None:
+    stepper: StepState | StepsState | None = None
+    if isinstance(step, _steps.steps):
+        pieces["step"] = stepper = StepsState(step)
+    elif step is not None:
         if not isinstance(step, (_step.step, _accumulate.accumulate)):
-            raise TypeError(f"step must be a loopkit.step or loopkit.accumulate, got {step!r}")
+            raise TypeError(
+                f"step must be a loopkit.step or loopkit.accumulate (or a loopkit.steps group), "
+                f"got {step!r}"
+            )
         pieces["step"] = stepper = StepState(step)
     if amp is not None:
         if not isinstance(amp, autocast_step):
@@ -301,9 +350,9 @@ def pieces_for(
                 "with a DataLoader of your own, leave loader= out: the RNG states are restored, "
                 "the position in the epoch and workers' random streams are not"
             )
-        acc = stepper.accumulator if stepper is not None else None
+        clock = stepper.clock if stepper is not None else None
         # The batches iterate() holds back are not consumed: a resume hands them out again.
-        pieces["loader"] = LoaderState(loader, lambda: acc.lookahead if acc is not None else 0)
+        pieces["loader"] = LoaderState(loader, lambda: clock.lookahead if clock is not None else 0)
     pieces["extra"] = ExtraStates(extra)
     pieces["rng"] = RngStates()
     return pieces

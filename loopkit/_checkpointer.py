@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _accumulate, _ranks, _step
+from . import _accumulate, _ranks, _step, _steps
 from . import _checkpoint_files as files
-from ._builtin_pieces import StepState, pieces_for
+from ._builtin_pieces import StepsState, StepState, pieces_for
 from ._checks import is_int_at_least
 from ._epoch_loader import EpochLoader
 from ._errors import CheckpointError
@@ -73,7 +73,7 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Stateful | None = None,
-        step: _step.step | _accumulate.accumulate | None = None,
+        step: _step.step | _steps.steps | _accumulate.accumulate | None = None,
         amp: autocast_step | None = None,
         loader: EpochLoader | None = None,
         extra: Mapping[str, Stateful] | None = None,
@@ -95,7 +95,7 @@ class Checkpointer:
         self._saves = 0  # checkpoints written in this run's lineage (names them without step=)
         self._deferred: int | None = None  # the update whose save waits for the next pass
         stepper = self.pieces.get("step")
-        self._acc = stepper.accumulator if isinstance(stepper, StepState) else None
+        self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
 
     def _updates(self) -> int:
         return self._acc.updates if self._acc is not None else 0
@@ -284,7 +284,7 @@ class Checkpointer:
     def _number(self, state: Mapping[str, object]) -> int:
         """The number a checked state is named by: its updates, or its saves without step=."""
         stepper = self.pieces.get("step")
-        if isinstance(stepper, StepState):
+        if isinstance(stepper, (StepState, StepsState)):
             return stepper.saved_updates(state["step"])
         return need(state, "saves", int, "'saves'")
 

@@ -137,61 +137,60 @@ def _fsdp2_requires_sync(module: Any) -> bool:
 
 
 def sync_grads_now(model: nn.Module, extras: Sequence[float] = ()) -> list[float]:
-    """All-reduce (average) the gradients of a DDP model by hand, as DDP's backward would.
+    """All-reduce (average) the local gradients of a DDP model through DDP's own buckets.
 
-    Used when a window ends on a micro-step that ran under no_sync (a ragged window closed
-    by ``flush()``, or a final micro-step without backward): its gradients are still local.
-    Gradients are aligned by parameter, never by position among the ones present: ranks
-    whose forwards used different parameters (``find_unused_parameters=True``) each send
-    zeros for the ones they lack, plus a presence count. As with DDP, a parameter used on
-    any rank gets the average over all ranks; one used on none keeps ``grad is None``.
-    ``extras`` (numbers every rank sends) come back summed over the ranks, from the same
-    collective.
+    Used when a window's gradients are still local at its end: a ragged window closed by
+    ``flush()``, a final micro-step without backward, a micro-step with several backward
+    passes. Each of DDP's buckets is filled with the gradients (zeros where a parameter has
+    none) and sent through the model's comm hook, exactly as DDP's backward would (a custom
+    hook, such as fp16 compression, applies too). Gradients are aligned by parameter: ranks
+    whose forwards used different parameters (``find_unused_parameters=True``) send zeros
+    plus a presence count; as with DDP, a parameter used on any rank gets the average over
+    all ranks, one used on none keeps ``grad is None``. ``extras`` (numbers every rank
+    sends) come back summed over the ranks with the presence counts, in one more collective.
     """
     m: Any = unwrap(model)
-    params = [p for p in m.parameters() if p.requires_grad]
     group = getattr(m, "process_group", None)
+    buckets = m.reducer._get_zeros_like_grad_buckets()  # DDP's layout, in DDP's order
+    params = [p for b in buckets for p in b.parameters()]
+    present = [float(p.grad is not None) for p in params]
+    device = params[0].device if params else torch.device("cpu")
+    meta = torch.tensor(present + list(extras), dtype=torch.float64, device=device)
+    # A Python comm hook (allreduce_hook and the compression hooks) averages by itself;
+    # DDP's built-in all-reduce only sums, the reducer divides the gradients first.
+    divide_first = not getattr(m, "_comm_hooks", None)
     world = _ranks.world(group)[1]
-    buckets = _by_dtype_and_device(params)
-    # One float64 vector carries the presence counts of every bucket and the extras.
-    present = [float(p.grad is not None) for bucket in buckets for p in bucket]
-    meta = torch.tensor(present + list(extras), dtype=torch.float64,
-                        device=params[0].device if params else "cpu")  # fmt: skip
     with torch.no_grad():
-        flats = [
-            torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b]
-            )
-            for b in buckets
-        ]
-        for flat in flats:
-            _ranks.sum_(flat, group)
+        works = []
+        for bucket in buckets:
+            for p, view in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                if p.grad is not None:
+                    view.copy_(p.grad.reshape(view.shape))
+            if divide_first:
+                bucket.buffer().div_(world)
+            works.append(m.reducer._run_comm_hook(bucket))  # async, as DDP overlaps them
         _ranks.sum_(meta, group)
         # Host-device sync: which parameters got a gradient anywhere decides whether their
         # .grad exists, a host-side fact (only in this rare by-hand path).
         reduced = meta.tolist()
         used = iter(reduced[: len(present)])
-        for bucket, flat in zip(buckets, flats, strict=True):
-            flat.div_(world)
-            offset = 0
-            for p in bucket:
-                synced = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+        for bucket, work in zip(buckets, works, strict=True):
+            work.wait()
+            result = work.value()
+            if isinstance(result, list):  # DDP's built-in all-reduce gives [tensor]
+                result = result[0]
+            buffer = bucket.buffer()
+            if result is not buffer:  # a hook may return a new tensor (fp16 compression)
+                buffer.copy_(result)
+            for p, view in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 anywhere = next(used) > 0
                 if p.grad is not None:
-                    p.grad.copy_(synced)
+                    p.grad.copy_(view.reshape(p.grad.shape))
                 elif anywhere:
-                    p.grad = synced.clone()
+                    p.grad = view.reshape(p.shape).clone()
     if getattr(m, "find_unused_parameters", False):
         # DDP's reducer remembers which parameters this rank used in its no_sync steps and
         # would treat them as used in the next synced backward, although their gradients
         # were just reduced here and are cleared before that window: forget them.
         m.reducer._reset_state()
     return reduced[len(present) :]
-
-
-def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
-    return list(buckets.values())

@@ -19,7 +19,7 @@ from torch import nn
 from . import _accumulate, _doctor, _logging
 from ._checks import is_int_at_least
 from ._devices import model_device, resolve_device, same_device
-from ._grad_sync import unwrap
+from ._grad_sync import no_sync, sync_kind, unwrap
 from ._precision import autocast_step
 from ._to_device import Mover
 from ._types import DeviceLike, PrecisionLike, Weight
@@ -37,6 +37,9 @@ class step(contextlib.ContextDecorator):
     ``device`` for ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an
     int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
     guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
+    ``frozen=[D]``: modules this step trains through but not (a GAN's discriminator in the
+    generator's step): inside each micro-step their parameters get no gradient and a DDP
+    one does not all-reduce; ``requires_grad`` is restored on exit, whatever happens.
     """
 
     def __init__(
@@ -57,12 +60,14 @@ class step(contextlib.ContextDecorator):
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = None,
         doctor: _doctor.doctor | None = None,
+        frozen: Sequence[nn.Module] = (),
     ) -> None:
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if doctor is not None and not isinstance(doctor, _doctor.doctor):
             raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
+        self._frozen = _Frozen(frozen, optimizer)
         here = model_device(unwrap(model))
         target = here if device is None else resolve_device(device)
         if here is not None and target is not None and not same_device(here, target):
@@ -110,22 +115,31 @@ class step(contextlib.ContextDecorator):
             if doc is not None:  # nothing of this micro-step stays entered
                 doc.__exit__(type(err), err, err.__traceback__)
             raise
-        # 3. autocast_step: the forward runs under autocast (not entered for fp32).
+        # 3. frozen modules: no gradient, no all-reduce, until the micro-step ends.
+        self._frozen.freeze()
+        # 4. autocast_step: the forward runs under autocast (not entered for fp32).
         if self._autocast_on:
             self.amp.__enter__()
             self._in_autocast = True
         return self
 
-    def backward(self, loss: torch.Tensor, weight: Weight | None = None) -> None:
-        """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate)."""
-        # 4. autocast ends before backward, as torch recommends (backward ops take the
+    def backward(
+        self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any
+    ) -> None:
+        """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate).
+
+        Call it several times in one micro-step to back-propagate several losses one at a
+        time; ``inputs=``/``retain_graph=`` go to autograd.
+        """
+        # 5. autocast ends before backward, as torch recommends (backward ops take the
         #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
         if self._in_autocast:
             self._in_autocast = False
             self.amp.__exit__(None, None, None)
-        self.accumulator.backward(loss, weight)
+        self.accumulator.backward(loss, weight, **autograd)
         if self.log is not None:
-            self._loss = loss.detach()
+            detached = loss.detach()
+            self._loss = detached if self._loss is None else self._loss + detached
 
     def log_metrics(self, **metrics: torch.Tensor | float) -> None:
         """Add metrics to this micro-step's log record (needs ``log=``)."""
@@ -146,15 +160,19 @@ class step(contextlib.ContextDecorator):
         self._loss, self._extra = None, {}
         try:
             try:
-                # 5. autocast_step exits if backward did not already leave it.
+                # 6. autocast_step exits if backward did not already leave it.
                 if self._in_autocast:
                     self._in_autocast = False
                     self.amp.__exit__(exc_type, exc, tb)
             finally:
-                # 6. accumulate closes the micro-step; on a window's last, the update.
-                with _phase(doc, "optimizer" if self.accumulator.ends_window else None):
-                    self.accumulator.__exit__(exc_type, exc, tb)
-            # 7. detach_logging records the detached loss and metrics (never of a failure).
+                # 7. frozen modules get their requires_grad and gradient sync back.
+                try:
+                    self._frozen.thaw()
+                finally:
+                    # 8. accumulate closes the micro-step; on a window's last, the update.
+                    with _phase(doc, "optimizer" if self.accumulator.ends_window else None):
+                        self.accumulator.__exit__(exc_type, exc, tb)
+            # 9. detach_logging records the detached loss and metrics (never of a failure).
             log = self.log
             if log is not None and exc_type is None:
                 if loss is not None:
@@ -163,7 +181,7 @@ class step(contextlib.ContextDecorator):
                     with _phase(doc, "logging"):
                         log.record(extra)
         finally:
-            # 8. doctor: the step's clock stops.
+            # 10. doctor: the step's clock stops.
             if doc is not None:
                 doc.__exit__(exc_type, exc, tb)
 
@@ -249,6 +267,48 @@ class step(contextlib.ContextDecorator):
             f"loopkit.step(precision={self.amp.precision!r}, "
             f"accumulate={self.accumulator.every}, device={str(self.device)!r})"
         )
+
+
+class _Frozen:
+    """Modules a step trains through but does not update, frozen for each micro-step."""
+
+    def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(modules, nn.Module) or not all(isinstance(m, nn.Module) for m in modules):
+            raise TypeError(
+                "frozen must be a list of nn.Modules, e.g. frozen=[discriminator], got "
+                f"{modules!r}"
+            )
+        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        clash = [p for p in params if id(p) in own]
+        if clash:
+            raise ValueError(
+                f"frozen modules hold {len(clash)} parameter(s) this step's optimizer updates: "
+                "a step cannot freeze what it trains; freeze only the other model's modules"
+            )
+        self.params = params
+        self._syncs = [no_sync(m) for m in modules if sync_kind(m) != "none"]
+        self._saved: list[bool] | None = None
+
+    def freeze(self) -> None:
+        if not self.params:
+            return
+        self._saved = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(False)
+        for s in self._syncs:  # a frozen DDP model's forward must not prepare a reduction
+            s.__enter__()
+
+    def thaw(self) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        try:
+            for s in reversed(self._syncs):
+                s.__exit__(None, None, None)
+        finally:
+            for p, flag in zip(self.params, saved, strict=True):
+                p.requires_grad_(flag)
 
 
 _NOTHING = contextlib.nullcontext()  # reusable: no allocation per micro-step

@@ -50,6 +50,13 @@ class Window:
         self.n_backward += 1
         self.last_synced = synced
 
+    def add_more(self, finite: torch.Tensor | None, synced: bool) -> None:
+        """Record a further backward of the micro-step already counted."""
+        if finite is not None:
+            prior = self.loss_finite
+            self.loss_finite = finite if prior is None else prior & finite
+        self.last_synced = synced
+
     def bad_device_weight(self) -> Any:
         """A 0-d bool tensor: whether a device weight was not positive and finite; False if none."""
         low = self.weight_min

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from helpers import run_scenarios
+from helpers import counted_ddp, run_scenarios
 from torch import nn
 
 import loopkit
@@ -335,6 +335,96 @@ def found_inf_agreement(info: distributed.DistInfo) -> dict[str, Any]:
     local = float(sum(flags.values()))
     agree_found_inf(amp.scaler, opt, None)
     return {"local": local, "agreed": float(sum(flags.values())), "stepped": amp.step(opt)}
+
+
+def _gan_models() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 2))
+    D = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    return G, D
+
+
+def _gan_loop(G: Any, D: Any, batches: list[Any], between: Callable[[str], None]) -> list[Any]:
+    """The DCGAN loop with loopkit.steps (accumulate=2); `between` runs around G's step."""
+    bce = nn.functional.binary_cross_entropy_with_logits
+    d_step = loopkit.step(D, torch.optim.Adam(D.parameters(), lr=1e-2), accumulate=2)
+    g_step = loopkit.step(G, torch.optim.Adam(G.parameters(), lr=1e-2), accumulate=2,
+                          frozen=[D])  # fmt: skip
+    for real, noise in loopkit.steps(d_step, g_step).iterate(batches):
+        with d_step as s:
+            label = torch.ones(real.shape[0], 1)
+            s.backward(bce(D(real), label))
+            fake = G(noise)
+            label.fill_(0.0)
+            s.backward(bce(D(fake.detach()), label))
+        between("before G")
+        with g_step as s:
+            label.fill_(1.0)
+            s.backward(bce(D(fake), label))
+        between("after G")
+    return [d_step, g_step]
+
+
+def _flat_of(*models: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for m in models for p in m.parameters()])
+
+
+@scenario
+def gan_one_all_reduce_per_model_per_window(info: distributed.DistInfo) -> dict[str, Any]:
+    """DDP GAN: one all-reduce round per model per window, none of D during G's step."""
+    g = torch.Generator().manual_seed(100)
+    per_rank = [[(torch.randn(4, 2, generator=g), torch.randn(4, 4, generator=g))
+                 for _ in range(6)] for _ in range(2)]  # fmt: skip
+    G, D = _gan_models()
+    ddp_g, calls_g = counted_ddp(G)
+    ddp_d, calls_d = counted_ddp(D)
+    seen: dict[str, Any] = {"d_grad_kept": True, "d_calls_in_g": 0, "per_batch": []}
+
+    def grads() -> list[Any]:
+        return [None if p.grad is None else p.grad.clone() for p in ddp_d.parameters()]
+
+    def between(when: str) -> None:
+        if when == "before G":
+            seen["d_before"], seen["d_calls"] = grads(), len(calls_d)
+            return
+        after = grads()
+        seen["d_grad_kept"] &= all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(seen["d_before"], after, strict=True)
+        )
+        seen["d_calls_in_g"] += len(calls_d) - seen["d_calls"]
+        seen["per_batch"].append((len(calls_d), len(calls_g)))
+
+    d_step, g_step = _gan_loop(ddp_g, ddp_d, per_rank[info.rank], between)
+    # One process on the global batches (each rank's micro-batch side by side).
+    G_ref, D_ref = _gan_models()
+    glob = [(torch.cat([per_rank[r][k][0] for r in range(2)]),
+             torch.cat([per_rank[r][k][1] for r in range(2)])) for k in range(6)]  # fmt: skip
+    _gan_loop(G_ref, D_ref, glob, lambda when: None)
+    got = _flat_of(ddp_g.module, ddp_d.module)
+    return {
+        "updates": (d_step.updates, g_step.updates),
+        "per_batch": seen["per_batch"],
+        "d_grad_kept": seen["d_grad_kept"],
+        "d_calls_in_g": seen["d_calls_in_g"],
+        "same": all(torch.equal(x, replicas(got)[0]) for x in replicas(got)),
+        "diff": (got - _flat_of(G_ref, D_ref)).abs().max().item(),
+    }
+
+
+@scenario
+def forward_outside_a_non_final_micro_step_is_refused(info: distributed.DistInfo) -> dict[str, Any]:
+    """Without loopkit.steps, G's forward before G's no_sync micro-step: a clear error."""
+    G, _ = _gan_models()
+    ddp_g = distributed.wrap(G)
+    g_step = loopkit.step(ddp_g, torch.optim.SGD(ddp_g.parameters(), lr=0.1), accumulate=2)
+    fake = ddp_g(torch.randn(4, 4))  # with sync on: DDP would all-reduce its backward
+    try:
+        with g_step as s:
+            s.backward(fake.pow(2).mean())
+    except RuntimeError as err:
+        return {"error": str(err)}
+    return {"error": ""}
 
 
 if __name__ == "__main__":

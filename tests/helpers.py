@@ -60,10 +60,12 @@ def split(items: Sequence[Batch], every: int) -> list[list[Batch]]:
     return [list(items[i : i + every]) for i in range(0, len(items), every)]
 
 
-def assert_close(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], atol: float = 1e-6) -> None:
+def assert_close(
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], atol: float = 1e-6, rtol: float = 0.0
+) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
 def assert_bit_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:

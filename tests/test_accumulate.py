@@ -18,7 +18,7 @@ from helpers import (
     split,
     twin,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -124,6 +124,8 @@ def test_unequal_sizes_with_weight_equal_large_batch(as_tensor: bool) -> None:
     weighted=st.booleans(),
     opt_name=st.sampled_from(sorted(OPTIMIZERS)),
 )
+# A case CI found: weighted SGD diverges to weights around 1e5 (see the bound below).
+@example(every=1, sizes=[1, 2, 1, 1, 2, 1, 1, 3], weighted=True, opt_name="sgd")
 def test_property_any_windows_sizes_and_tails(
     every: int, sizes: list[int], weighted: bool, opt_name: str
 ) -> None:
@@ -137,8 +139,10 @@ def test_property_any_windows_sizes_and_tails(
     assert acc.updates == math.ceil(len(data) / every)
     ref, _ = large_batch_reference(ref_model, OPTIMIZERS[opt_name], split(data, every))
     # Summation order differs from the large batch's, and momentum SGD over up to 11
-    # updates amplifies float32 rounding: 300 random cases stayed under 1.2e-5.
-    assert_close(params(model), ref, atol=2e-5)
+    # updates amplifies float32 rounding: 300 random cases stayed under 1.2e-5 absolute.
+    # Some weighted SGD cases diverge to weights around 1e5, where one float32 ulp is
+    # already 0.0078, so the bound is relative too (those cases agree to 3e-7 relative).
+    assert_close(params(model), ref, atol=2e-5, rtol=1e-5)
 
 
 def test_scheduler_steps_once_per_update() -> None:
@@ -262,7 +266,8 @@ def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         ("weight_vector", ValueError, "scalar"),
         ("weight_str", TypeError, "positive number"),
         ("weight_mixed", ValueError, "every micro-step of a window or on none"),
-        ("backward_twice", RuntimeError, "add the losses"),
+        # Several backward calls per micro-step are allowed (issue 14); a second weight is not.
+        ("backward_twice", ValueError, "first backward only"),
         ("reenter", RuntimeError, "not nested"),
     ],
 )
@@ -293,7 +298,7 @@ def test_misuse_inside_a_window_is_refused_before_any_change(
             acc.backward(loss_fn(model, data[1]))
             before = _state(acc, model)
             with pytest.raises(exc) as info:
-                acc.backward(loss_fn(model, data[1]))
+                acc.backward(loss_fn(model, data[1]), weight=4)
         else:
             before = _state(acc, model)
             with pytest.raises(exc) as info:

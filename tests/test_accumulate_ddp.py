@@ -80,3 +80,21 @@ def test_sharded_inf_flags_are_agreed_before_the_skip_decision(results: Any) -> 
     assert (rank0["local"], rank1["local"]) == (0.0, 1.0)
     assert rank0["agreed"] == rank1["agreed"] == 1.0
     assert rank0["stepped"] is rank1["stepped"] is False
+
+
+def test_a_ddp_gan_makes_one_all_reduce_per_model_per_window(results: Any) -> None:
+    """Comm hooks: each model one bucket all-reduce per window (D's two backward passes
+    included), none of D during G's step, D's gradients untouched by G's backward, and the
+    weights of one process on the global batches."""
+    for r in results["gan_one_all_reduce_per_model_per_window"]:
+        assert r["updates"] == (3, 3)
+        # (D's all-reduces, G's) after each batch: one each per window of two batches.
+        assert r["per_batch"] == [(0, 0), (1, 1), (1, 1), (2, 2), (2, 2), (3, 3)]
+        assert r["d_calls_in_g"] == 0 and r["d_grad_kept"]
+        assert r["same"] and r["diff"] < 1e-6
+
+
+def test_a_forward_outside_a_no_sync_micro_step_is_refused(results: Any) -> None:
+    """DDP would all-reduce a backward whose forward ran with sync on: refused, said how."""
+    for r in results["forward_outside_a_non_final_micro_step_is_refused"]:
+        assert "loopkit.steps(...).iterate(loader)" in r["error"]

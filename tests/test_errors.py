@@ -179,6 +179,19 @@ def _two_steps_on_one_model() -> None:
 _DATA4 = torch.utils.data.TensorDataset(torch.ones(4))
 
 
+def _two_optimizers_one_parameter() -> None:
+    a, b = mlp(), mlp(1)
+    shared = torch.optim.SGD([*b.parameters(), *a[0].parameters()], lr=0.1)
+    loopkit.steps(loopkit.step(a, _opt(a)), loopkit.step(b, shared))
+
+
+def _second_weight_in_a_micro_step() -> None:
+    m, o = _model_opt()
+    with loopkit.step(m, o, accumulate=2) as s:
+        s.backward(m(torch.ones(1, 8)).sum(), weight=1)
+        s.backward(m(torch.ones(1, 8)).sum(), weight=1)
+
+
 CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     # to_device
     (
@@ -490,6 +503,21 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      "incomplete checkpoint: 'rng' is missing"),
     ("checkpointer resume other data length", _resume_other_data_length, loopkit.CheckpointError,
      "the data set has 44 samples but the state was saved with 40"),
+    ("steps of nothing", lambda t: loopkit.steps(), TypeError, "steps(d_step, g_step)"),
+    ("steps of a non-step", lambda t: loopkit.steps(3), TypeError, "takes loopkit.step"),
+    ("steps with two clocks",
+     lambda t: loopkit.steps(loopkit.step(*_model_opt(), accumulate=2),
+                             loopkit.step(*_model_opt())),
+     ValueError, "same accumulate="),
+    ("steps sharing a parameter", lambda t: _two_optimizers_one_parameter(), ValueError,
+     "giving it only to that step's optimizer"),
+    ("step frozen not a list", lambda t: loopkit.step(*_model_opt(), frozen=mlp()), TypeError,
+     "frozen=[discriminator]"),
+    ("step frozen its own parameters",
+     lambda t: (lambda m: loopkit.step(m, _opt(m), frozen=[m]))(mlp()), ValueError,
+     "cannot freeze what it trains"),
+    ("step a second weight in one micro-step", lambda t: _second_weight_in_a_micro_step(),
+     ValueError, "first backward only"),
 ]  # fmt: skip
 
 
@@ -538,6 +566,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "load_checkpoint": "load",
         "doctor": "doctor",
         "LoggingSink": "LoggingSink",
+        "steps": "steps",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,3 +28,21 @@ def test_quickstart_loss_goes_down(precision: str) -> None:
     assert m, proc.stdout
     first, last = float(m.group(1)), float(m.group(2))
     assert last < 0.85 * first, proc.stdout
+
+
+def test_gan_example_one_process_and_two_end_alike(tmp_path: Path) -> None:
+    """examples/train_gan.py (fp32): under torchrun with 2 processes, the 1-process weights."""
+    from helpers import launch_env
+
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]  # fmt: skip
+    for cmd, out in (([sys.executable], one), (torchrun, two)):
+        proc = subprocess.run(
+            [*cmd, "examples/train_gan.py", "--precision", "fp32", "--out", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env(),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "D 24 updates, G 24 updates" in proc.stdout
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
