@@ -96,15 +96,42 @@ def loopkit_step(
     prec: str,
     clip: float | None,
     with_doctor: bool = False,
+    with_loop_control: bool = False,
 ) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     # The doctor's default: host syncs counted on steps 3, 4, 5 and every 500th.
     doc = loopkit.doctor() if with_doctor else None
     step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip, doctor=doc)
-    for i in range(steps):
-        x, y = data[i % len(data)]
-        with step as s:
-            s.backward(nn.functional.mse_loss(model(x), y))
+    if not with_loop_control:
+        for i in range(steps):
+            x, y = data[i % len(data)]
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+        return
+    # A preemptible run with a time limit and a validation cadence (whose evaluation is
+    # not timed: only the checks are loop control's cost), stopping on a limit never hit.
+    # The calls are also timed where they run (a whole-loop ratio cannot resolve 1% on a
+    # shared CPU): their seconds per micro-step, less an empty timing's, go to CONTROL_SECONDS.
+    spent = 0.0
+    clock = time.perf_counter
+    with loopkit.until(step, max_time="99:00:00", max_updates=10**9, check_every=10) as stop:
+        validate = loopkit.cadence(step, updates=50)
+        for i in range(steps):
+            x, y = data[i % len(data)]
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            t0 = clock()
+            t1 = clock()  # the timer's own cost (cold after a step): subtracted below
+            validate.due()
+            done = stop.check()
+            spent += (clock() - t1) - (t1 - t0)
+            if done:
+                break
+    CONTROL_SECONDS.append(spent / steps)
+
+
+CONTROL_SECONDS: list[float] = []
+"""Seconds per micro-step spent in until.check() and cadence.due(), one entry per run."""
 
 
 def accelerate_loop(
@@ -157,15 +184,17 @@ def fabric_loop(
             opt.zero_grad(set_to_none=True)
 
 
+LOOP_CONTROL = "loopkit.step + until + cadence"
 CONTENDERS: dict[str, Runner] = {
     "hand-written": hand,
     "loopkit pieces": loopkit_pieces,
     "loopkit.step": loopkit_step,
     "loopkit.step + doctor": functools.partial(loopkit_step, with_doctor=True),
+    LOOP_CONTROL: functools.partial(loopkit_step, with_loop_control=True),
     "accelerate": accelerate_loop,
     "fabric": fabric_loop,
 }
-LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor")
+LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL)
 
 
 def available() -> dict[str, str | None]:
@@ -246,7 +275,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for prec in DTYPES:
             check_parity(model_name, prec, clip)
             steps, repeats = plan[model_name]
+            CONTROL_SECONDS.clear()
             us = bench(model_name, prec, steps, repeats, clip, names)
+            control_us = statistics.median(CONTROL_SECONDS) * 1e6
             for name in CONTENDERS:
                 row: dict[str, Any] = {"model": model_name, "precision": prec, "contender": name}
                 if name in us:
@@ -255,6 +286,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "ratio": round(us[name] / us["hand-written"], 4),
                         "added_us": round(us[name] - us["hand-written"], 2),
                     }
+                    if name == LOOP_CONTROL:  # loop control's own cost: against the same step
+                        row["ratio_to_step"] = round(us[name] / us["loopkit.step"], 4)
+                        row["control_us"] = round(control_us, 3)
+                        row["control_share"] = round(control_us / us["loopkit.step"], 5)
                 else:
                     row |= {"us_per_step": None, "ratio": None, "note": why[name]}
                 rows.append(row)
@@ -276,6 +311,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(
                     f"| {r['model']} | {r['precision']} | {r['contender']} "
                     f"| {r['us_per_step']:.1f} | {r['ratio']:.3f} | {r['added_us']:+.1f} |"
+                )
+        print(
+            "\nuntil + cadence: the calls timed inside the loop, per micro-step, and as a share "
+            "of loopkit.step's micro-step; the whole-loop ratio to loopkit.step (noisier)"
+        )
+        for r in rows:
+            if "ratio_to_step" in r:
+                print(
+                    f"  {r['model']} {r['precision']}: {r['control_us']:.2f} us = "
+                    f"{100 * r['control_share']:.2f}%; whole loop {r['ratio_to_step']:.3f}"
                 )
     return rows
 

@@ -13,12 +13,22 @@ weights are saved there, bit-identical to an uninterrupted run.
 --augment trains on a data set that augments at random in __getitem__ (python, numpy and
 torch RNGs) and has a random number of valid "tokens" per sample, weighted by that count:
 resuming is exact there too, and with another --workers than the run started with.
+
+Loop control: the run is validated --val-per-epoch times per epoch (loopkit.evaluate: every
+validation sample counted once, whatever the number of processes); --patience N stops it
+when the validation loss has not improved N times in a row; --max-time stops it after that
+much training time (all runs of it together). A SIGTERM (what a preempting scheduler sends)
+to any process makes every process stop at the same update, save there and exit 0:
+
+    torchrun --nproc-per-node 2 examples/train_resumable.py --dir runs/pre --slow 0.05 &
+    kill -TERM <one worker's pid>     # then run the same command again: it resumes
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -75,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--augment", action="store_true", help="random augmentation, weights")
     parser.add_argument("--workers", type=int, default=0, help="data loader workers")
     parser.add_argument("--checkpointed", action="store_true", help="recompute the blocks")
+    parser.add_argument("--val-per-epoch", type=int, default=2, help="validations per epoch")
+    parser.add_argument("--patience", type=int, help="early stopping on the validation loss")
+    parser.add_argument("--max-time", help='stop after this training time ("HH:MM:SS")')
+    parser.add_argument("--check-every", type=int, default=2, help="updates between checks")
+    parser.add_argument("--slow", type=float, default=0.0, help="sleep per batch (a demo knob)")
     args = parser.parse_args(argv)
 
     with distributed.setup():
@@ -87,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             data = torch.utils.data.TensorDataset(torch.randn(512, 16), torch.randn(512, 1))
             model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
         loader = distributed.loader(data, batch_size=16, num_workers=args.workers, seed=1)
+        outputs = 16 if args.augment else 1
+        held_out = torch.utils.data.TensorDataset(torch.randn(100, 16), torch.randn(100, outputs))
+        val_loader = distributed.loader(held_out, batch_size=32, shuffle=False, num_workers=0)
         if args.checkpointed:
             loopkit.checkpointed(model, blocks=Block)
         model = distributed.wrap(model)
@@ -111,10 +129,23 @@ def main(argv: list[str] | None = None) -> None:
             extra={"payload": Payload(args.payload_mb)},
             keep=2,
         )
+        validate = loopkit.cadence(step, per_epoch=args.val_per_epoch, loader=loader)
+        early = None
+        if args.patience:
+            early = loopkit.early_stop(step, "loss", patience=args.patience, min_updates=10)
+        stop = loopkit.until(
+            step,
+            max_epochs=args.epochs,
+            max_time=args.max_time,
+            signals=("SIGTERM",),
+            early_stop=early,
+            check_every=args.check_every,
+            checkpointer=ckpt,  # a stop saves there; elapsed time and patience are saved
+        )
         resumed = ckpt.resume()
         if resumed is not None:
             print(f"resumed from {resumed.name} at update {step.updates}", flush=True)
-        for _ in range(loader.epoch, args.epochs):
+        for _ in stop.epochs(loader):  # ends on a stop or after --epochs, then saves
             for batch in step.iterate(loader):
                 with step as s:
                     if args.augment:  # a mean over the valid tokens, weighted by their count
@@ -124,17 +155,31 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         x, y = batch
                         s.backward(nn.functional.mse_loss(model(x), y))
+                if validate.due():  # the same updates on every rank, never mid-window
+                    metrics = loopkit.evaluate(model, val_loader, squared_error, step=step)
+                    if distributed.is_rank_zero():
+                        print(f"update {step.updates}: validation loss {metrics['loss']:.5f}")
+                    if early is not None:
+                        early.observe(metrics)
                 saved = ckpt.maybe_save(every=args.save_every)
                 if saved is not None:
                     print(f"saved {saved.name}", flush=True)
-        # maybe_save defers a save that falls on an epoch's last window to the start of the
-        # next pass (so it holds what ran after that window); no pass follows the last
-        # epoch, so the final state is saved here.
-        ckpt.save()
+                if stop.check():  # at a window boundary, agreed by every rank
+                    break
+                time.sleep(args.slow)
+        if stop.preempted:
+            print(f"preempted at update {step.updates} by {stop.reason}: saved", flush=True)
+            return
         if args.out and distributed.is_rank_zero():
             inner = getattr(model, "module", model)
             torch.save({k: v.detach().clone() for k, v in inner.state_dict().items()}, args.out)
-        print(f"finished at update {step.updates}", flush=True)
+        print(f"finished at update {step.updates} ({stop.reason})", flush=True)
+
+
+def squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """Per-sample validation loss: evaluate weights by samples and drops padded duplicates."""
+    x, y = batch
+    return {"loss": (model(x).float() - y).pow(2).mean(dim=1)}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ _WHERE: dict[str, str] = {
     "load_checkpoint": "_checkpoint_files",
     "step": "_step",
     "steps": "_steps",
+    "until": "_until",
+    "early_stop": "_early_stop",
+    "cadence": "_cadence",
+    "evaluate": "_evaluate",
+    "Evaluation": "_evaluate",
     "no_sync": "_grad_sync",
     "count_host_syncs": "_host_syncs",
     "CheckpointError": "_errors",
@@ -67,11 +72,15 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from . import distributed as distributed
     from . import lint as lint
     from ._accumulate import accumulate as accumulate
+    from ._cadence import cadence as cadence
     from ._checkpoint_files import load_checkpoint as load_checkpoint
     from ._checkpointer import Checkpointer as Checkpointer
     from ._doctor import doctor as doctor
+    from ._early_stop import early_stop as early_stop
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
+    from ._evaluate import Evaluation as Evaluation
+    from ._evaluate import evaluate as evaluate
     from ._grad_sync import no_sync as no_sync
     from ._host_syncs import count_host_syncs as count_host_syncs
     from ._logging import detach_logging as detach_logging
@@ -92,3 +101,4 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._types import Stateful as Stateful
     from ._types import SyncKind as SyncKind
     from ._types import Weight as Weight
+    from ._until import until as until

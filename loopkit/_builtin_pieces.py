@@ -7,7 +7,6 @@ groups, accumulation and precision, data set and batch size), and loads it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,7 +18,7 @@ from ._grad_sync import sync_kind, unwrap
 from ._precision import autocast_step
 from ._rng_states import RngStates
 from ._state_pieces import ExtraStates, StatePiece, UserState, expect, need
-from ._types import Stateful
+from ._types import Clock, Stateful
 
 # The GradScaler.load_state_dict reads these.
 _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -227,19 +226,6 @@ class StepState(UserState):
         updates = self._counters(expect(saved, Mapping, "'step'"))["updates"]
         assert isinstance(updates, int)  # check_state_dict made sure
         return updates
-
-
-class Clock(Protocol):
-    """What a Checkpointer reads of a step: updates, the open window, the held-back batch."""
-
-    @property
-    def updates(self) -> int: ...
-    @property
-    def micro_step(self) -> int: ...
-    @property
-    def every(self) -> int: ...
-    @property
-    def lookahead(self) -> int: ...
 
 
 class StepsState(UserState):

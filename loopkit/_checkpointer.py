@@ -96,6 +96,35 @@ class Checkpointer:
         self._deferred: int | None = None  # the update whose save waits for the next pass
         stepper = self.pieces.get("step")
         self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
+        self._used = False  # a save or a resume happened: the set of pieces is fixed
+
+    def check_can_add(self, name: str, piece: object) -> None:
+        """Raise what ``add(name, piece)`` would raise; changes nothing."""
+        if not isinstance(name, str) or not name or name in _BOOKKEEPING:
+            raise ValueError(f"a piece's name must be a non-empty str, not one of "
+                             f"{_BOOKKEEPING}, got {name!r}")  # fmt: skip
+        if name in self.pieces:
+            raise ValueError(
+                f"this Checkpointer already saves a piece named {name!r}: one object per name"
+            )
+        if not isinstance(piece, StatePiece):
+            raise TypeError(
+                f"{type(piece).__name__} is not a checkpoint piece (state_dict, "
+                "check_state_dict, snapshot, load_state_dict, restore)"
+            )
+        if self._used:
+            raise RuntimeError(
+                f"add {name!r} before the first resume() or save(): a resume before it would "
+                "have skipped its state"
+            )
+
+    def add(self, name: str, piece: StatePiece) -> None:
+        """Save and restore ``piece`` under ``name`` as well (before any save or resume).
+
+        Objects that work with a Checkpointer (``loopkit.until``) add themselves.
+        """
+        self.check_can_add(name, piece)
+        self.pieces[name] = piece
 
     def _updates(self) -> int:
         return self._acc.updates if self._acc is not None else 0
@@ -126,6 +155,7 @@ class Checkpointer:
         Also writes (and so cancels) a save that ``maybe_save`` deferred to the next pass.
         """
         state = self.state_dict()
+        self._used = True
         state["saves"] = self._saves + 1
         for name, piece in self.pieces.items():
             if per_rank(piece):
@@ -180,6 +210,27 @@ class Checkpointer:
             return None
         return self.save()
 
+    def save_at_boundary(self) -> Path | None:
+        """Save now unless this update is saved already; deferred as ``maybe_save`` defers.
+
+        What a stop condition calls inside the loop: on the window that ends the loader's
+        pass, the save waits for the next pass or for ``save_if_needed()``.
+        """
+        if self._acc is None:
+            return self.save()
+        return self.maybe_save(every=1)
+
+    def save_if_needed(self) -> Path | None:
+        """Save unless the newest checkpoint already holds this state (e.g. after the loop).
+
+        Writes a save that ``maybe_save`` deferred; without ``step=`` it always saves.
+        """
+        if self._acc is None or self._deferred is not None:
+            return self.save()
+        if self.last_saved_update == self._acc.updates:
+            return None
+        return self.save()
+
     def _write_deferred(self) -> None:
         if self._deferred is not None:
             self._deferred = None
@@ -217,6 +268,7 @@ class Checkpointer:
                 f"resume() in the middle of an accumulation window ({acc.micro_step} of "
                 f"{acc.every} micro-steps done): call it before the training loop"
             )
+        self._used = True  # even a refused resume: pieces added now would miss its checks
         rank = _ranks.world()[0]
         target: Path | None
         if path is None:

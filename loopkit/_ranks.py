@@ -57,6 +57,19 @@ def sum_values(values: list[Any], group: Group = None) -> torch.Tensor:
     return sum_(t, group)
 
 
+def max_values(values: list[float], group: Group = None) -> list[float]:
+    """Each of ``values`` maxed over the ranks in one all-reduce, read back to the host.
+
+    The host read is the point: the caller takes a host-level decision (to stop a loop)
+    that every rank must take alike. Not distributed: the values themselves, no tensor.
+    """
+    if not is_multi_rank(group):
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.tolist()]  # host sync (one per call, on nccl)
+
+
 def any_(flag: torch.Tensor, group: Group = None) -> torch.Tensor:
     """A 0-d bool that is True on every rank if ``flag`` is True on any rank (no host read)."""
     if not initialized():

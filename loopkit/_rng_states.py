@@ -6,8 +6,9 @@ save, and a resume gives each rank its own back.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TypedDict
 
 import numpy as np
@@ -42,6 +43,26 @@ def capture() -> RngState:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """The RNGs as they were before the block, whatever it draws (host memory only).
+
+    CUDA's are kept only where CUDA is initialized: elsewhere no CUDA RNG has drawn, and
+    reading them would start CUDA.
+    """
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    started = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+    cuda = torch.cuda.get_rng_state_all() if started else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def put_back(state: RngState) -> None:

@@ -49,3 +49,20 @@ class Scheduler(Protocol):
     """A learning-rate scheduler stepped once per optimizer update, with no argument."""
 
     def step(self) -> object: ...
+
+
+class Clock(Protocol):
+    """What is read of a step's windows: updates, the open window, the held-back batch.
+
+    ``loopkit.accumulate`` and ``loopkit.steps`` are clocks; a ``loopkit.step``'s is its
+    ``accumulator``.
+    """
+
+    @property
+    def updates(self) -> int: ...
+    @property
+    def micro_step(self) -> int: ...
+    @property
+    def every(self) -> int: ...
+    @property
+    def lookahead(self) -> int: ...

@@ -55,6 +55,7 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             "loopkit pieces",
             "loopkit.step",
             "loopkit.step + doctor",
+            "loopkit.step + until + cadence",
             "accelerate",
             "fabric",
         )
@@ -65,6 +66,10 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             assert r["ratio"] == 1.0
         if r["contender"].startswith("loopkit"):
             assert r["us_per_step"] > 0
+        control = r["contender"] == "loopkit.step + until + cadence"
+        assert ("ratio_to_step" in r) == control
+        if control:  # the calls cost well under 1% of a micro-step (measured, not timed here)
+            assert r["control_us"] > 0 and 0 < r["control_share"] < 1
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
     png = tmp_path / "overhead.png"

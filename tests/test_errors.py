@@ -168,6 +168,14 @@ def _loader_bad_generator_state() -> None:
     loader.load_state_dict({**loader.state_dict(), "generator": torch.zeros(3, dtype=torch.uint8)})
 
 
+def _until_after_resume(tmp: Path) -> None:
+    m, o = _model_opt()
+    step = loopkit.step(m, o)
+    ckpt = loopkit.Checkpointer(tmp, model=m, optimizer=o, step=step)
+    ckpt.resume()
+    loopkit.until(step, checkpointer=ckpt)
+
+
 def _two_steps_on_one_model() -> None:
     m = mlp()
     body = loopkit.step(m, torch.optim.SGD(list(m.parameters())[:2], lr=0.1))
@@ -518,6 +526,32 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      "cannot freeze what it trains"),
     ("step a second weight in one micro-step", lambda t: _second_weight_in_a_micro_step(),
      ValueError, "first backward only"),
+    ("until unknown signal", lambda t: loopkit.until(signals=("SIGNOPE",)), ValueError,
+     "names such as 'SIGTERM'"),
+    ("until max_time unreadable", lambda t: loopkit.until(max_time="12h"), ValueError,
+     '"HH:MM:SS" or "DD:HH:MM:SS"'),
+    ("until of a module", lambda t: loopkit.until(mlp()), TypeError, "or None in a loop"),
+    ("until after a resume", _until_after_resume, RuntimeError, "before the first resume()"),
+    ("until epochs of a DataLoader", lambda t: next(loopkit.until(signals=()).epochs(
+        torch.utils.data.DataLoader([1]))), TypeError, "epochs() to let until count them"),
+    ("early_stop patience 0", lambda t: loopkit.early_stop(patience=0), ValueError,
+     "observations without improvement"),
+    ("early_stop min_updates without a step", lambda t: loopkit.early_stop(patience=1,
+     min_updates=5), ValueError, "early_stop(step, ..., min_updates=N)"),
+    ("early_stop observe without the metric",
+     lambda t: loopkit.early_stop(patience=1).observe({"acc": 1.0}), KeyError,
+     "build it with that metric= name"),
+    ("cadence two schedules", lambda t: loopkit.cadence(updates=2, epochs=1), TypeError,
+     "exactly one of updates=N, per_epoch=K or epochs=E"),
+    ("cadence per_epoch of a DataLoader", lambda t: loopkit.cadence(
+        per_epoch=2, loader=torch.utils.data.DataLoader([1])), TypeError,
+     "with a plain DataLoader use updates=N"),
+    ("evaluate per-batch mean", lambda t: loopkit.evaluate(
+        mlp(), [(torch.ones(2, 8), torch.ones(2, 3))],
+        lambda m, b: {"loss": m(b[0]).mean()}), ValueError, "reduction='none'"),
+    ("evaluate loader that drops", lambda t: loopkit.evaluate(
+        mlp(), torch.utils.data.DataLoader(torch.ones(5, 8), batch_size=2, drop_last=True),
+        lambda m, b: {"x": m(b)[:, 0]}), ValueError, "drop_last=False"),
 ]  # fmt: skip
 
 
@@ -552,6 +586,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "Scheduler",
         "SyncKind",
         "Weight",
+        "Evaluation",
         "__version__",
     }
     words = {
@@ -567,6 +602,10 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "doctor": "doctor",
         "LoggingSink": "LoggingSink",
         "steps": "steps",
+        "until": "until",
+        "early_stop": "early_stop",
+        "cadence": "cadence",
+        "evaluate": "evaluate",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:
@@ -595,6 +634,31 @@ SETTINGS = settings(
 def _only_allowed(fn: Callable[[], Any]) -> None:
     with contextlib.suppress(*ALLOWED):
         fn()
+
+
+@SETTINGS
+@given(updates=ANY, epochs=ANY, time=ANY, check=ANY, signals=ANY)
+def test_fuzz_until(updates: Any, epochs: Any, time: Any, check: Any, signals: Any) -> None:
+    """Any limits and signals: until is built (and closed) or refuses with an allowed type."""
+
+    def build() -> None:
+        loopkit.until(max_updates=updates, max_epochs=epochs, max_time=time,
+                      check_every=check, signals=signals).close()  # fmt: skip
+
+    _only_allowed(build)
+
+
+@SETTINGS
+@given(metric=ANY, patience=ANY, mode=ANY, delta=ANY, value=ANY)
+def test_fuzz_early_stop(metric: Any, patience: Any, mode: Any, delta: Any, value: Any) -> None:
+    """Any settings and any observed value: it decides or refuses with an allowed type."""
+
+    def run() -> None:
+        loopkit.early_stop(None, metric, patience=patience, mode=mode, min_delta=delta).observe(
+            {metric: value} if isinstance(metric, str) else value
+        )
+
+    _only_allowed(run)
 
 
 @SETTINGS

@@ -1,0 +1,207 @@
+"""Loop control under `torchrun --nproc-per-node 2`: every rank stops and evaluates alike.
+
+Launched by test_loop_control_ddp.py; results land in OUT/<scenario>.rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import run_scenarios
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+
+SCENARIOS: dict[str, Callable[[distributed.DistInfo], dict[str, Any]]] = {}
+
+
+def out_dir() -> Path:
+    """Where run_scenarios saves results (argv[1]); scenarios' checkpoints go there too."""
+    return Path(sys.argv[1])
+
+
+def scenario(fn: Callable[[distributed.DistInfo], dict[str, Any]]) -> Any:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def seven_samples() -> torch.utils.data.TensorDataset:
+    """The data set test_loop_control_ddp.py evaluates in one process too."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, torch.randn(7, 2, generator=g, dtype=torch.float64))
+
+
+def eval_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 2).double()
+
+
+def per_sample(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    x, y = batch
+    out = model(x)
+    return {"loss": (out - y).pow(2).sum(1), "hit": (out.argmax(1) == y.argmax(1)).double()}
+
+
+_COLLECTIVES = ("all_gather_object", "all_reduce", "broadcast", "all_gather",
+                "all_gather_into_tensor", "barrier", "broadcast_object_list", "reduce")  # fmt: skip
+
+
+@contextmanager
+def counted_collectives() -> Iterator[dict[str, int]]:
+    """Calls of torch.distributed's collectives (as the library calls them) in the block."""
+    counts: dict[str, int] = {}
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@scenario
+def evaluate_seven_samples_batch_two(info: distributed.DistInfo) -> dict[str, Any]:
+    model = nn.parallel.DistributedDataParallel(eval_model())
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    data = seven_samples()
+    keyed = distributed.loader(data, batch_size=2, shuffle=False, num_workers=0)
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=3)
+    plain = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+    with counted_collectives() as counts, loopkit.count_host_syncs() as syncs:
+        a = loopkit.evaluate(model, keyed, per_sample)
+    b = loopkit.evaluate(model, plain, per_sample)
+    one_by_one = [(x[None], y[None]) for i, (x, y) in enumerate(data) if i % 2 == info.rank]
+    with loopkit.count_host_syncs() as many:
+        loopkit.evaluate(model, one_by_one, per_sample, disjoint=True)
+    return {
+        "keyed": (a.sums, a.samples, dict(a)),
+        "shuffled": (b.sums, b.samples, dict(b)),
+        "collectives": counts,
+        "host_reads": syncs.count,
+        "expected_reads": syncs.expected,
+        "user_reads": syncs.user_events,
+        "reads_with_more_batches": (many.expected, many.user_events),
+        "ddp_forwards": len(forwards),
+    }
+
+
+@scenario
+def evaluate_uneven_shards_with_buffers(info: distributed.DistInfo) -> dict[str, Any]:
+    """Rank 0 has 3 batches, rank 1 one; DDP would broadcast BatchNorm buffers per forward."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    model = nn.parallel.DistributedDataParallel(net, broadcast_buffers=True)
+    g = torch.Generator().manual_seed(info.rank)
+    batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g))
+               for _ in range(3 if info.rank == 0 else 1)]  # fmt: skip
+
+    def fn(m: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        return {"loss": (m(batch[0]) - batch[1]).pow(2).mean(1)}
+
+    r = loopkit.evaluate(model, batches, fn, disjoint=True)
+    return {"samples": r.samples, "loss": r["loss"]}
+
+
+@scenario
+def evaluate_error_on_one_rank(info: distributed.DistInfo) -> dict[str, Any]:
+    def fn(m: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        if info.rank == 1:
+            raise KeyError("missing label")
+        return per_sample(m, batch)
+
+    loader = distributed.loader(seven_samples(), batch_size=2, shuffle=False, num_workers=0)
+    try:
+        loopkit.evaluate(eval_model(), loader, fn)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"error": None}
+
+
+@scenario
+def early_stop_refuses_values_that_differ(info: distributed.DistInfo) -> dict[str, Any]:
+    es = loopkit.early_stop(None, "loss", patience=2)
+    es.observe({"loss": 1.0})  # the same on both ranks: fine
+    try:
+        es.observe({"loss": 2.0 + info.rank})
+    except ValueError as err:
+        return {"error": str(err), "wait": es.wait, "observed": es.state_dict()["observed"]}
+    return {"error": None}
+
+
+def _train(rank: int, stop_kwargs: dict[str, Any], hook: Callable[[int], None],
+           directory: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = loopkit.step(model, opt, accumulate=2)
+    ckpt = None
+    if directory is not None:
+        ckpt = loopkit.Checkpointer(directory, model=model, optimizer=opt, step=step)
+    stop = loopkit.until(step, checkpointer=ckpt, **stop_kwargs)
+    val = loopkit.cadence(step, updates=3)
+    fired = []
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(200):
+        with step as s:
+            s.backward(model(torch.randn(4, 3, generator=g)).pow(2).mean())
+        hook(step.updates)
+        if val.due():
+            fired.append(step.updates)
+        if stop.check():
+            break
+    stop.close()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    saved = [] if ckpt is None else [p.name for p in ckpt.checkpoints()]
+    return {"stopped_at": stop.stopped_at, "reason": stop.reason, "fired": fired,
+            "weights": weights, "saved": saved}  # fmt: skip
+
+
+@scenario
+def until_with_clocks_skewed_per_rank(info: distributed.DistInfo) -> dict[str, Any]:
+    """Rank 1's clock runs 2.5 times as fast: past 20 s at update 8 there, 20 on rank 0."""
+    updates = [0]
+    rate = 1.0 if info.rank == 0 else 2.5
+    directory = out_dir() / "skewed"
+    return _train(
+        info.rank,
+        {"max_time": 20, "check_every": 3, "signals": (), "timer": lambda: updates[0] * rate},
+        lambda u: updates.__setitem__(0, u),
+        directory,
+    )
+
+
+@scenario
+def until_signal_to_one_rank(info: distributed.DistInfo) -> dict[str, Any]:
+    """Rank 1 alone gets SIGTERM after update 3; checks every 2 updates: both stop at 4."""
+    sent = [False]
+
+    def hook(u: int) -> None:
+        if info.rank == 1 and u == 3 and not sent[0]:
+            sent[0] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return _train(info.rank, {"check_every": 2}, hook, out_dir() / "signal")
+
+
+if __name__ == "__main__":
+    run_scenarios(SCENARIOS)
