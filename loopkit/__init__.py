@@ -36,6 +36,8 @@ _WHERE: dict[str, str] = {
     "cadence": "_cadence",
     "evaluate": "_evaluate",
     "Evaluation": "_evaluate",
+    "preload": "_preload",
+    "Preloaded": "_preload",
     "no_sync": "_grad_sync",
     "count_host_syncs": "_host_syncs",
     "CheckpointError": "_errors",
@@ -86,6 +88,8 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._logging import detach_logging as detach_logging
     from ._memory import track_memory as track_memory
     from ._precision import autocast_step as autocast_step
+    from ._preload import Preloaded as Preloaded
+    from ._preload import preload as preload
     from ._recompute import checkpointed as checkpointed
     from ._recompute import is_checkpointed as is_checkpointed
     from ._sinks import LoggingSink as LoggingSink

@@ -28,6 +28,7 @@ from ._data_seeding import (
     torch_seed,
 )
 from ._epoch_loader import EpochLoader
+from ._preload import Preloaded, batch_as_is
 
 
 def default_num_workers(local_world_size: int | None = None) -> int:
@@ -67,6 +68,10 @@ def loader(
     augmentation does not depend on the workers and resumes exactly. ``seed`` is any
     integer (numpy integers too) in [-2**63, 2**63 - 1]. Other DataLoader arguments
     (``prefetch_factor``, ``timeout``, ...) pass through.
+
+    A ``loopkit.preload`` cache is batched by one index operation per field, with no
+    workers by default; a ``collate_fn`` then receives the whole batch (batch-level
+    augmentation, under the batch's RNG key).
     """
     from .distributed import info
 
@@ -102,8 +107,10 @@ def loader(
     _check_positive("batch_size", batch_size)
     if not isinstance(dataset, Sized):
         raise TypeError("loader() needs a map-style dataset with __len__ (it shards by index)")
+    preloaded = isinstance(dataset, Preloaded)
     if num_workers is None:
-        num_workers = default_num_workers(here.local_world_size)
+        # A preloaded batch is one index operation: workers would only add the trip back.
+        num_workers = 0 if preloaded else default_num_workers(here.local_world_size)
     if pin_memory is None:
         pin_memory = here.device.type == "cuda"
     if persistent_workers is None:
@@ -126,7 +133,7 @@ def loader(
     # The generator only seeds the workers' own streams now (each batch is reseeded).
     generator = torch.Generator().manual_seed(torch_seed(seed * 1000 + here.rank))
     dl = DataLoader(
-        SeededBatches(dataset, collate_fn or _default_collate),
+        SeededBatches(dataset, collate_fn or (batch_as_is if preloaded else _default_collate)),
         batch_sampler=batches,
         collate_fn=collated,
         num_workers=num_workers,

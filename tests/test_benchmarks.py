@@ -105,3 +105,13 @@ def test_data_seeding_benchmark_quick_rows() -> None:
         assert r["samples"] == 2048 and r["batch"] == 256
         assert r["plain_samples_per_s"] > 0 and r["loopkit_samples_per_s"] > 0
         assert r["seeding_us_per_batch"] > 0 and r["seeding_share_percent"] > 0
+
+
+def test_preload_benchmark_quick(tmp_path: Path) -> None:
+    """preload.py --quick: the three loaders, the memory rows, the cache built then opened;
+    the batched cache outruns decoding per sample (the full run measures by how much)."""
+    result: Any = _json("benchmarks/preload.py", "--quick", "--dir", str(tmp_path))
+    rates = list(result["samples_per_s"].values())
+    assert len(rates) == 3 and rates[2] > rates[0]
+    assert set(result["pss_mib"]) == {"0", "2"}
+    assert result["build_s"] > 0 and result["open_s"] < result["build_s"]

@@ -549,6 +549,10 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("evaluate per-batch mean", lambda t: loopkit.evaluate(
         mlp(), [(torch.ones(2, 8), torch.ones(2, 3))],
         lambda m, b: {"loss": m(b[0]).mean()}), ValueError, "reduction='none'"),
+    ("preload of an iterable", lambda t: loopkit.preload(iter([1, 2]), t), TypeError,
+     "map-style data set"),
+    ("preload of strings", lambda t: loopkit.preload(["a", "b"], t), TypeError,
+     "make transform return tensors"),
     ("evaluate loader that drops", lambda t: loopkit.evaluate(
         mlp(), torch.utils.data.DataLoader(torch.ones(5, 8), batch_size=2, drop_last=True),
         lambda m, b: {"x": m(b)[:, 0]}), ValueError, "drop_last=False"),
@@ -587,6 +591,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "SyncKind",
         "Weight",
         "Evaluation",
+        "Preloaded",
         "__version__",
     }
     words = {
@@ -606,6 +611,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "early_stop": "early_stop",
         "cadence": "cadence",
         "evaluate": "evaluate",
+        "preload": "preload",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:

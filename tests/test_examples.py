@@ -46,3 +46,18 @@ def test_gan_example_one_process_and_two_end_alike(tmp_path: Path) -> None:
         assert "D 24 updates, G 24 updates" in proc.stdout
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_preloaded_example_builds_once_then_opens_and_learns(tmp_path: Path) -> None:
+    """examples/train_preloaded.py: the first run builds the cache, the second opens it;
+    one epoch over the batched cache (with batch-level flips) learns the task."""
+    for word in ("built", "opened"):
+        proc = subprocess.run(
+            [sys.executable, "examples/train_preloaded.py", "--cache", str(tmp_path),
+             "--epochs", "1", "--precision", "fp32"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.startswith(word), proc.stdout
+        m = re.search(r"final accuracy ([\d.]+)", proc.stdout)
+        assert m and float(m.group(1)) > 0.8, proc.stdout
