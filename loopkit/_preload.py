@@ -205,8 +205,9 @@ def preload(
     """Run ``transform`` over every item once and map the result; see the module docstring.
 
     ``cache`` is a directory (default ``/dev/shm/loopkit-preload``, RAM-backed, when it has
-    room); the cache goes in a subdirectory named by ``key`` (default: the data set's and
-    transform's names) and the fingerprint. Under torchrun every rank calls it: local rank
+    room, else ``loopkit-preload`` in the temporary directory); the cache goes in a
+    subdirectory named by ``key`` (default: the data set's and transform's names) and the
+    fingerprint. Under torchrun every rank calls it: local rank
     0 builds, the others wait and map the same files. Raises OSError before writing
     anything if the directory has no room for it, saying how many bytes are needed where.
     """
@@ -225,7 +226,12 @@ def preload(
     first = dataset[0]
     single = as_tensors(transform(first) if transform is not None else first)[1]
     fp, fields = fingerprint(dataset, get, name)
-    final = _root(cache) / f"{name}-{fp}"
+    places = [root / f"{name}-{fp}" for root in _roots(cache)]
+    final = next((p for p in places if _complete(p)), None)
+    if final is None:
+        # RAM (/dev/shm) when it has room, else the temporary directory (disk).
+        needed = _needed_bytes(dataset, get, fields) if len(places) > 1 else 0
+        final = next((p for p in places[:-1] if _free(p.parent) >= needed), places[-1])
     failure: Exception | None = None
     built = False
     if _local_rank() == 0 and not _complete(final):
@@ -243,6 +249,7 @@ def preload(
     if failed:
         rank, what = failed[0]
         raise RuntimeError(f"preload: rank {rank} could not build the cache: {what}")
+    final = next((p for p in places if _complete(p)), final)  # where the builder put it
     if not _complete(final):
         raise RuntimeError(
             f"preload: {final} is not there after the build: every process of a node must "
@@ -258,12 +265,21 @@ def _default_key(dataset: object, transform: object) -> str:
     return "-".join(p.replace("<", "").replace(">", "").replace(".", "_") for p in parts)
 
 
-def _root(cache: str | os.PathLike[str] | None) -> Path:
+def _roots(cache: str | os.PathLike[str] | None) -> list[Path]:
+    """Where the cache may be: ``cache``, or /dev/shm's (if writable) then the temp dir's."""
     if cache is not None:
-        return Path(cache)
+        return [Path(cache)]
+    places = [Path(tempfile.gettempdir()) / "loopkit-preload"]
     if _SHM.is_dir() and os.access(_SHM, os.W_OK):
-        return _SHM / "loopkit-preload"
-    return Path(tempfile.gettempdir()) / "loopkit-preload"
+        places.insert(0, _SHM / "loopkit-preload")
+    return places
+
+
+def _free(directory: Path) -> int:
+    """Free bytes where ``directory`` is (or would be created)."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return shutil.disk_usage(directory).free
 
 
 def _local_rank() -> int:

@@ -246,3 +246,24 @@ def test_worker_batches_equal_main_process_batches(tmp_path: Path) -> None:
     assert len(main) == len(workers) == 7
     for (a, b), (c, d) in zip(main, workers, strict=True):
         assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_the_default_place_is_dev_shm_unless_it_has_no_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No cache=: /dev/shm when it has room, else the temporary directory; then found again."""
+    import tempfile
+
+    from loopkit import _preload
+
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(_preload, "_SHM", shm)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp))
+    in_ram = loopkit.preload(Images(), key="ram")
+    assert in_ram.path.parent == shm / "loopkit-preload"
+    monkeypatch.setattr(_preload, "_free", lambda d: 10 if d.is_relative_to(shm) else 10**12)
+    on_disk = loopkit.preload(Images(), key="disk")
+    assert on_disk.path.parent == tmp / "loopkit-preload" and on_disk.built
+    assert not loopkit.preload(Images(), key="ram").built  # found where it was built
