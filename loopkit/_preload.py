@@ -283,7 +283,9 @@ def _free(directory: Path) -> int:
 
 
 def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0")) if _ranks.is_multi_rank() else 0
+    from .distributed import info  # distributed imports the loader, which imports this
+
+    return info().local_rank
 
 
 def _complete(path: Path) -> bool:
