@@ -6,9 +6,9 @@
 The data set "decodes" a small image per item (here: draws it from the item's index, the
 way a PNG decode turns a file into pixels). loopkit.preload runs that once into uint8
 tensors mapped from the cache directory (under torchrun, once per node); the loader
-batches them with one index operation, flips half the batch at random (batch-level
-augmentation, a function of the seed, epoch and batch index), and the step turns the
-uint8 pixels into normalized floats on the device.
+batches them with one index operation and draws which images to flip (batch-level
+augmentation, a function of the seed, epoch and batch index); the step turns the uint8
+pixels into normalized floats on the device, where the flips are applied.
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ class Shapes(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
         return img, label
 
 
-def flip_half(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flip some images up-down and relabel them: drawn under the batch's RNG key."""
+def draw_flips(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The augmentation's random draws, made in the loader under the batch's RNG key (so a
+    function of seed, epoch and batch index); they are applied on the device, in the loop."""
     x, y = batch
-    flip = torch.rand(len(x)) < 0.5
+    return x, y, torch.rand(len(x)) < 0.5
+
+
+def flipped(x: torch.Tensor, y: torch.Tensor, flip: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Flip the drawn images up-down (on the device, after normalization) and relabel them."""
     x = torch.where(flip[:, None, None, None], x.flip(2), x)
-    y = torch.where(flip, (y + 2) % 4, y)
-    return x, y
+    return x, torch.where(flip, (y + 2) % 4, y)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = loopkit.preload(Shapes(), args.cache, key="shapes-16px")
         if info.is_rank_zero:
             print(f"{'built' if cache.built else 'opened'} {cache}", flush=True)
-        loader = distributed.loader(cache, batch_size=64, seed=0, collate_fn=flip_half)
+        loader = distributed.loader(cache, batch_size=64, seed=0, collate_fn=draw_flips)
         torch.manual_seed(0)
         model = distributed.wrap(nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         accuracy = 0.0
         for epoch in range(args.epochs):
             right = seen = 0
-            for x, y in step.iterate(loader):
+            for batch in step.iterate(loader):
+                x, y = flipped(*batch)  # on the device: x is normalized float already
                 with step as s:
                     out = model(x)
                     s.backward(nn.functional.cross_entropy(out.float(), y))
