@@ -41,15 +41,21 @@ class Boundaries:
         return self.clock.updates if self.clock is not None else self.calls
 
     def new(self) -> int | None:
-        """The update count if a window has closed since the last report, else None."""
+        """The update count if a window has closed since the last report, else None.
+
+        A window whose update was skipped is reported too, with the unchanged count.
+        """
         clock = self.clock
         if clock is None:
             self.calls += 1
             return self.calls
         updates = clock.updates
+        # Windows closed, skipped ones included (fp16 inf/nan, skip_nonfinite): a skipped
+        # update still ends its window, and every rank skips alike.
+        closed = updates + getattr(clock, "skipped", 0)
         # The common answer first, with one read: no window has closed since the last ask
         # (mid-window, or asked twice at one boundary). Called after every micro-step.
-        if updates == self._last or clock.micro_step:
+        if closed == self._last or clock.micro_step:
             return None
-        self._last = updates
+        self._last = closed
         return updates

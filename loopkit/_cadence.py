@@ -87,6 +87,7 @@ class cadence:
             raise TypeError("loader= is only for per_epoch= or epochs=")
         self.kind, self.value, self.loader = name, value, loader
         self._boundaries = Boundaries(clock)
+        self._fired_at: int | None = None  # a skipped window repeats the update count
 
     def due(self) -> bool:
         """Whether the schedule fires here: a window has just closed at one of its points."""
@@ -94,11 +95,20 @@ class cadence:
         if updates is None:
             return False
         if self.kind == "updates":
-            return updates > 0 and updates % self.value == 0
+            due = updates > 0 and updates % self.value == 0 and updates != self._fired_at
+            if due:
+                self._fired_at = updates
+            return due
         loader = self.loader
         assert loader is not None  # checked in __init__
         clock = self._boundaries.clock
         taken = loader.position - (clock.lookahead if clock is not None else 0)
+        if clock is not None and taken % clock.every and taken != len(loader):
+            raise RuntimeError(
+                f"a window ended {taken} batches into the pass, not at a multiple of "
+                f"{clock.every} nor at its end: the windows are not aligned with the loader's "
+                "passes, so per-epoch points would be missed; loop over step.iterate(loader)"
+            )
         if self.kind == "per_epoch":
             return taken in self._marks
         # epochs=E: the end of every E-th pass (loader.epoch is the pass's number + 1)

@@ -247,6 +247,12 @@ def _shard(loader: Iterable[Any], disjoint: bool) -> tuple[Iterable[Any], int | 
     else:
         sampler, inner = None, loader
     if isinstance(sampler, DistributedSampler):
+        dl = inner if isinstance(inner, DataLoader) else None
+        if dl is not None and not getattr(dl, "in_order", True):
+            raise ValueError(
+                "the loader hands out batches out of order (in_order=False): evaluate finds "
+                "DistributedSampler's padded duplicates by position; build it with in_order=True"
+            )
         rank, world = _ranks.world()
         if (sampler.num_replicas, sampler.rank) != (world, rank):
             raise ValueError(

@@ -137,6 +137,9 @@ class until:
         self.stopped_at: int | None = None
         """The update the loop stopped at."""
         self._received = 0  # the first signal received here (0: none)
+        # The first boundary pools signals and clocks whatever its number: a run resumed
+        # past max_time stops there, not check_every updates later (every rank alike).
+        self._pool_next = True
         self._previous: dict[signal.Signals, Any] = {}
         for sig in sigs:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -169,7 +172,8 @@ class until:
             return False
         reason = self._limit_reached(updates)
         pooled = bool(self.signals) or self.max_time is not None
-        if reason is None and pooled and updates % self.check_every == 0:
+        if reason is None and pooled and (self._pool_next or updates % self.check_every == 0):
+            self._pool_next = False
             reason = self._agreed_reason()
         if reason is None:
             return False
@@ -225,20 +229,29 @@ class until:
         return self._epochs(loader)
 
     def _epochs(self, loader: EpochLoader | None) -> Iterator[int]:
-        while True:
-            epoch = loader.epoch if loader is not None else self._progress.epoch
-            if self.reason is None:
-                updates = self._boundaries.updates
-                if self.max_epochs is not None and epoch >= self.max_epochs:
-                    self._stop("max_epochs", final=True)
-                elif (reason := self._limit_reached(updates)) is not None:
-                    self._stop(reason, final=True)
+        try:
+            while True:
+                epoch = loader.epoch if loader is not None else self._progress.epoch
+                if self.reason is None:
+                    updates = self._boundaries.updates
+                    if self.max_epochs is not None and epoch >= self.max_epochs:
+                        self._stop("max_epochs", final=True)
+                    elif (reason := self._limit_reached(updates)) is not None:
+                        self._stop(reason, final=True)
+                if self.reason is not None:
+                    self.close()
+                    return
+                yield epoch
+                if loader is None:
+                    self._progress.epoch = epoch + 1
+        except GeneratorExit:
+            # The epoch loop was left early (a break, an exception in its body): a stop
+            # already decided still gets its checkpoint; the handlers go back either way.
             if self.reason is not None:
                 self.close()
-                return
-            yield epoch
-            if loader is None:
-                self._progress.epoch = epoch + 1
+            else:
+                self._restore_handlers()
+            raise
 
     def close(self) -> None:
         """Write a stop's checkpoint if it is not written yet; put the signal handlers back."""
@@ -310,6 +323,7 @@ class until:
         self._progress = _Progress(elapsed=float(saved["elapsed"]), epoch=saved["epoch"])
         self._boundaries.calls = saved["calls"]
         self._t0 = self._timer()
+        self._pool_next = True
 
     def restore(self, snapshot: tuple[_Progress, float, int, Any]) -> None:
         progress, t0, calls, es = snapshot

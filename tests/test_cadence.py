@@ -93,3 +93,36 @@ def test_bad_arguments() -> None:
         loopkit.cadence(step, per_epoch=3, loader=loader)
     with pytest.raises(TypeError, match=r"takes a loopkit\.step"):
         loopkit.cadence(model, updates=2)
+
+
+def test_a_skipped_update_still_ends_its_window() -> None:
+    """The pass's last window skipped (a NaN loss, skip_nonfinite): epochs=1 still fires."""
+    x = torch.randn(8, 2)
+    x[7] = float("nan")
+    data = torch.utils.data.TensorDataset(x, torch.randn(8, 1))
+    loader = distributed.loader(data, batch_size=1, shuffle=False, num_workers=0)
+    model = nn.Linear(2, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+                        skip_nonfinite=True)  # fmt: skip
+    val = loopkit.cadence(step, epochs=1, loader=loader)
+    fired = []
+    for xb, yb in step.iterate(loader):
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(xb), yb))
+        fired.append(val.due())
+    assert step.skipped == 1 and fired == [False] * 7 + [True]
+
+
+def test_windows_not_aligned_with_passes_are_refused() -> None:
+    """Looping over the loader itself (not step.iterate), windows straddle passes: refused."""
+    data = torch.utils.data.TensorDataset(torch.randn(5, 2), torch.randn(5, 1))
+    loader = distributed.loader(data, batch_size=1, shuffle=False, num_workers=0)
+    model = nn.Linear(2, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    val = loopkit.cadence(step, per_epoch=2, loader=loader)
+    with pytest.raises(RuntimeError, match=r"loop over step\.iterate\(loader\)"):
+        for _ in range(2):
+            for xb, yb in loader:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(xb), yb))
+                val.due()

@@ -169,3 +169,13 @@ def test_bad_arguments() -> None:
         loopkit.evaluate(model, [], per_sample)
     with pytest.raises(TypeError, match=r"nn\.Module"):
         loopkit.evaluate(per_sample, loader, per_sample)  # type: ignore[arg-type]
+
+
+def test_an_out_of_order_loader_is_refused(process_group: None) -> None:
+    """in_order=False hands batches out of order: the padded duplicates could not be found."""
+    data = _data()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler, num_workers=1,
+                                         in_order=False)  # fmt: skip
+    with pytest.raises(ValueError, match="in_order=True"):
+        loopkit.evaluate(nn.Linear(4, 1), loader, per_sample)

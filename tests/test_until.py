@@ -333,3 +333,34 @@ def test_sigterm_to_rank_1_only_stops_both_saves_once_exits_0_and_resumes_exactl
     assert f"resumed from ckpt-{update:010d}.pt at update {update}" in resumed.stdout
     a, b = torch.load(whole, weights_only=True), torch.load(parts, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_resumed_past_max_time_stops_at_its_first_boundary(tmp_path: Path) -> None:
+    """Requeued after a max_time stop: the first boundary pools the clocks and stops."""
+    model, step = _step()
+    timer = FakeTimer()
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, step=step)
+    stop = loopkit.until(step, max_time=30, check_every=5, signals=(), timer=timer,
+                         checkpointer=ckpt)  # fmt: skip
+    while not stop.check():
+        _micro(model, step)
+        timer.now += 10
+    assert (stop.reason, step.updates) == ("max_time", 5)
+    model2, step2 = _step()
+    ckpt2 = loopkit.Checkpointer(tmp_path, model=model2, step=step2)
+    stop2 = loopkit.until(step2, max_time=30, check_every=5, signals=(), timer=FakeTimer(),
+                          checkpointer=ckpt2)  # fmt: skip
+    ckpt2.resume()
+    _micro(model2, step2)
+    assert stop2.check() and (stop2.reason, step2.updates) == ("max_time", 6)
+
+
+def test_leaving_epochs_early_puts_the_handlers_back() -> None:
+    """A break out of the epoch loop (or an exception in it): the SIGTERM handler goes back."""
+    before = signal.getsignal(signal.SIGTERM)
+    stop = loopkit.until(max_epochs=5)
+    for epoch in stop.epochs():
+        assert signal.getsignal(signal.SIGTERM) != before
+        if epoch == 1:
+            break
+    assert signal.getsignal(signal.SIGTERM) == before
