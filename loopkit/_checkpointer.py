@@ -210,6 +210,11 @@ class Checkpointer:
             return None
         return self.save()
 
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save that ``maybe_save`` deferred to the next pass is still unwritten."""
+        return self._deferred is not None
+
     def save_at_boundary(self) -> Path | None:
         """Save now unless this update is saved already; deferred as ``maybe_save`` defers.
 

@@ -134,8 +134,12 @@ def evaluate(
     except Exception as err:
         error = err
     finally:
+        # Through train(): a module whose train() does something (LoRA merging its weights)
+        # must hear of it. In order, parents first: a parent's call resets its children,
+        # which are set again after it.
         for module, mode in modes:
-            module.training = mode
+            if module.training != mode:
+                module.train(mode)
     # Every rank learns every rank's sums, and whether one failed, in one exchange.
     with expected_sync("evaluate's exchange"):
         reports = _ranks.gather_objects(
@@ -189,10 +193,13 @@ def _pooled(reports: list[Report]) -> Evaluation:
     samples = sum(count for _, _, count, _ in reports)
     if samples == 0:
         raise ValueError("evaluate: every sample was a padded duplicate: nothing to evaluate")
-    sums = {
-        name: math.fsum(p for _, parts, _, _ in reports if parts for p in parts[i])
-        for i, name in enumerate(first)
-    }
+    sums = {}
+    for i, name in enumerate(first):
+        parts = [p for _, pr, _, _ in reports if pr for p in pr[i]]
+        try:
+            sums[name] = math.fsum(parts)
+        except (ValueError, OverflowError):  # inf - inf, or beyond float64: nan or inf
+            sums[name] = sum(parts)
     return Evaluation(sums, samples)
 
 

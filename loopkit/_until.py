@@ -137,6 +137,7 @@ class until:
         self.stopped_at: int | None = None
         """The update the loop stopped at."""
         self._received = 0  # the first signal received here (0: none)
+        self._stop_saved = False  # the stop's checkpoint is written (close() need not)
         # The first boundary pools signals and clocks whatever its number: a run resumed
         # past max_time stops there, not check_every updates later (every rank alike).
         self._pool_next = True
@@ -212,6 +213,8 @@ class until:
                 ckpt.save_if_needed()
             else:
                 ckpt.save_at_boundary()
+            # Written now unless deferred to the epoch's end (the same on every rank).
+            self._stop_saved = not ckpt.save_pending
 
     # -- the epoch loop ---------------------------------------------------------------------
 
@@ -221,6 +224,13 @@ class until:
         With ``loader=`` (a ``loopkit.distributed.loader``) the epochs are the loader's, so
         a resumed run continues its interrupted epoch; without, until counts them.
         """
+        ckpt = self.checkpointer
+        if loader is not None and ckpt is not None and ckpt.loader is not loader:
+            raise ValueError(
+                "epochs(loader) follows this loader's epochs, but the Checkpointer does not "
+                "save it: pass it as Checkpointer(loader=...) too, or a resumed run would "
+                "start its epochs over"
+            )
         if loader is not None and not isinstance(loader, EpochLoader):
             raise TypeError(
                 "epochs(loader) takes a loopkit.distributed.loader (which counts its epochs), "
@@ -257,7 +267,9 @@ class until:
         """Write a stop's checkpoint if it is not written yet; put the signal handlers back."""
         try:
             if self.reason is not None and self.checkpointer is not None:
-                self.checkpointer.save_if_needed()
+                if not self._stop_saved:
+                    self.checkpointer.save_if_needed()
+                self._stop_saved = True
         finally:
             self._restore_handlers()
 

@@ -6,7 +6,7 @@ The 2-process case (7 samples, batch 2: bit-identical sums) is in test_evaluate_
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -179,3 +179,34 @@ def test_an_out_of_order_loader_is_refused(process_group: None) -> None:
                                          in_order=False)  # fmt: skip
     with pytest.raises(ValueError, match="in_order=True"):
         loopkit.evaluate(nn.Linear(4, 1), loader, per_sample)
+
+
+class Merging(nn.Linear):
+    """A module whose train() does something (as LoRA merges and unmerges its weights)."""
+
+    calls: ClassVar[list[bool]] = []
+
+    def train(self, mode: bool = True) -> Merging:
+        Merging.calls.append(mode)
+        return super().train(mode)
+
+
+def test_modes_are_put_back_through_train() -> None:
+    """After evaluate, train(True) was called again on a module whose train() has effects."""
+    model = nn.Sequential(Merging(4, 1))
+    model.train()
+    Merging.calls.clear()
+    loopkit.evaluate(model, torch.utils.data.DataLoader(_data(), batch_size=4), per_sample)
+    assert Merging.calls == [False, True] and model[0].training
+
+
+def test_non_finite_values_give_nan_or_inf_not_an_error() -> None:
+    """inf and -inf among the values: the sum is nan (as a plain sum says), no exception."""
+    def fn(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        v = torch.zeros(len(batch[0]), dtype=torch.float64)
+        v[0] = float("inf") if batch[1][0, 0] > 0 else -float("inf")
+        return {"v": v}
+
+    batches = [(torch.ones(2, 4), torch.ones(2, 1)), (torch.ones(2, 4), -torch.ones(2, 1))]
+    result = loopkit.evaluate(nn.Linear(4, 1), batches, fn)
+    assert result.sums["v"] != result.sums["v"]  # nan

@@ -364,3 +364,30 @@ def test_leaving_epochs_early_puts_the_handlers_back() -> None:
         if epoch == 1:
             break
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_stop_in_a_loop_without_a_step_saves_once(tmp_path: Path) -> None:
+    """No step=: the stop's checkpoint is written at the stop, not again when epochs() ends."""
+    model = nn.Linear(3, 1)
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, keep=5)
+    stop = loopkit.until(max_updates=2, signals=(), checkpointer=ckpt)
+    for _ in stop.epochs():
+        while not stop.check():
+            pass
+        break
+    assert [p.name for p in ckpt.checkpoints()] == ["ckpt-0000000001.pt"]
+    for _ in loopkit.until(max_epochs=1, signals=(), checkpointer=loopkit.Checkpointer(
+            tmp_path / "b", model=model, keep=5)).epochs():  # fmt: skip
+        pass
+    assert [p.name for p in (tmp_path / "b").glob("ckpt-*.pt")] == ["ckpt-0000000001.pt"]
+
+
+def test_epochs_of_a_loader_the_checkpointer_does_not_save_is_refused(tmp_path: Path) -> None:
+    """epochs(loader) with a Checkpointer built without that loader: a resume would restart."""
+    model, step = _step()
+    data = torch.utils.data.TensorDataset(torch.randn(6, 3))
+    loader = distributed.loader(data, batch_size=2, num_workers=0)
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, step=step)
+    stop = loopkit.until(step, max_epochs=1, signals=(), checkpointer=ckpt)
+    with pytest.raises(ValueError, match=r"Checkpointer\(loader=\.\.\.\) too"):
+        stop.epochs(loader)
