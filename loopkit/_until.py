@@ -248,6 +248,12 @@ class until:
                         self._stop("max_epochs", final=True)
                     elif (reason := self._limit_reached(updates)) is not None:
                         self._stop(reason, final=True)
+                    elif self._pool_next and (self.signals or self.max_time is not None):
+                        # A run resumed past max_time (or signalled) stops before training:
+                        # every rank enters epochs() at the same update, so pools alike.
+                        self._pool_next = False
+                        if (reason := self._agreed_reason()) is not None:
+                            self._stop(reason, final=True)
                 if self.reason is not None:
                     self.close()
                     return
@@ -255,12 +261,10 @@ class until:
                 if loader is None:
                     self._progress.epoch = epoch + 1
         except GeneratorExit:
-            # The epoch loop was left early (a break, an exception in its body): a stop
-            # already decided still gets its checkpoint; the handlers go back either way.
-            if self.reason is not None:
-                self.close()
-            else:
-                self._restore_handlers()
+            # The epoch loop was left early: by a break or by an exception in its body,
+            # which cannot be told apart here, so nothing is saved (a failed epoch's state
+            # must not be); the handlers go back. Let epochs() end, or use `with until(...)`.
+            self._restore_handlers()
             raise
 
     def close(self) -> None:

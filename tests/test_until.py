@@ -353,6 +353,13 @@ def test_a_run_resumed_past_max_time_stops_at_its_first_boundary(tmp_path: Path)
     ckpt2.resume()
     _micro(model2, step2)
     assert stop2.check() and (stop2.reason, step2.updates) == ("max_time", 6)
+    model3, step3 = _step()
+    ckpt3 = loopkit.Checkpointer(tmp_path, model=model3, step=step3)
+    stop3 = loopkit.until(step3, max_time=30, check_every=5, signals=(), timer=FakeTimer(),
+                          checkpointer=ckpt3)  # fmt: skip
+    ckpt3.resume()
+    assert list(stop3.epochs()) == [] and stop3.reason == "max_time"  # before any training
+    assert step3.updates == 6 and ckpt3.checkpoints()[-1].name == "ckpt-0000000006.pt"
 
 
 def test_leaving_epochs_early_puts_the_handlers_back() -> None:
@@ -391,3 +398,22 @@ def test_epochs_of_a_loader_the_checkpointer_does_not_save_is_refused(tmp_path: 
     stop = loopkit.until(step, max_epochs=1, signals=(), checkpointer=ckpt)
     with pytest.raises(ValueError, match=r"Checkpointer\(loader=\.\.\.\) too"):
         stop.epochs(loader)
+
+
+def test_an_exception_in_the_epoch_loop_saves_nothing(tmp_path: Path) -> None:
+    """A stop on a pass's last window waits for the epoch's code; if that code raises, the
+    half-done epoch is not saved (the handlers still go back)."""
+    before = signal.getsignal(signal.SIGTERM)
+    model, step = _step(2)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 3))
+    loader = distributed.loader(data, batch_size=1, num_workers=0)
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, step=step, loader=loader)
+    stop = loopkit.until(step, max_updates=2, checkpointer=ckpt)
+    with pytest.raises(ZeroDivisionError):
+        for _ in stop.epochs(loader):
+            for _ in step.iterate(loader):
+                _micro(model, step)
+                if stop.check():
+                    break
+            1 / 0  # noqa: B018  # the epoch's own code fails
+    assert ckpt.checkpoints() == [] and signal.getsignal(signal.SIGTERM) == before
