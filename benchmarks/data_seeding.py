@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from loopkit import distributed
-from loopkit._data_seeding import seeded_rngs
+from loopkit._data._seeding import seeded_rngs
 
 
 class SmallImages(Dataset[tuple[torch.Tensor, int]]):

@@ -16,30 +16,30 @@ __version__ = "0.1.0.dev0"
 
 # public name -> the private module that defines it
 _WHERE: dict[str, str] = {
-    "accumulate": "_accumulate",
-    "checkpointed": "_recompute",
-    "is_checkpointed": "_recompute",
-    "to_device": "_to_device",
-    "doctor": "_doctor",
-    "track_memory": "_memory",
-    "LoggingSink": "_sinks",
-    "TensorBoardSink": "_sinks",
-    "detach_logging": "_logging",
-    "print_sink": "_sinks",
+    "accumulate": "_step._accumulate",
+    "checkpointed": "_recompute._checkpointed",
+    "is_checkpointed": "_recompute._checkpointed",
+    "to_device": "_data._to_device",
+    "doctor": "_observe._doctor",
+    "track_memory": "_observe._memory",
+    "LoggingSink": "_logging._sinks",
+    "TensorBoardSink": "_logging._sinks",
+    "detach_logging": "_logging._detach",
+    "print_sink": "_logging._sinks",
     "autocast_step": "_precision",
-    "Checkpointer": "_checkpointer",
-    "load_checkpoint": "_checkpoint_files",
-    "step": "_step",
-    "steps": "_steps",
-    "until": "_until",
-    "early_stop": "_early_stop",
-    "cadence": "_cadence",
-    "evaluate": "_evaluate",
-    "Evaluation": "_evaluate",
-    "preload": "_preload",
-    "Preloaded": "_preload",
-    "no_sync": "_grad_sync",
-    "count_host_syncs": "_host_syncs",
+    "Checkpointer": "_checkpoint._save_resume",
+    "load_checkpoint": "_checkpoint._files",
+    "step": "_step._compose",
+    "steps": "_step._group",
+    "until": "_control._until",
+    "early_stop": "_control._early_stop",
+    "cadence": "_control._cadence",
+    "evaluate": "_control._evaluate",
+    "Evaluation": "_control._evaluate",
+    "preload": "_data._preload",
+    "Preloaded": "_data._preload",
+    "no_sync": "_parallel._grad_sync",
+    "count_host_syncs": "_observe._host_syncs",
     "CheckpointError": "_errors",
     "LoopkitError": "_errors",
     "DeviceLike": "_types",
@@ -73,31 +73,32 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from . import distributed as distributed
     from . import lint as lint
-    from ._accumulate import accumulate as accumulate
-    from ._cadence import cadence as cadence
-    from ._checkpoint_files import load_checkpoint as load_checkpoint
-    from ._checkpointer import Checkpointer as Checkpointer
-    from ._doctor import doctor as doctor
-    from ._early_stop import early_stop as early_stop
+    from ._checkpoint._files import load_checkpoint as load_checkpoint
+    from ._checkpoint._save_resume import Checkpointer as Checkpointer
+    from ._control._cadence import cadence as cadence
+    from ._control._early_stop import early_stop as early_stop
+    from ._control._evaluate import Evaluation as Evaluation
+    from ._control._evaluate import evaluate as evaluate
+    from ._control._until import until as until
+    from ._data._preload import Preloaded as Preloaded
+    from ._data._preload import preload as preload
+    from ._data._to_device import to_device as to_device
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
-    from ._evaluate import Evaluation as Evaluation
-    from ._evaluate import evaluate as evaluate
-    from ._grad_sync import no_sync as no_sync
-    from ._host_syncs import count_host_syncs as count_host_syncs
-    from ._logging import detach_logging as detach_logging
-    from ._memory import track_memory as track_memory
+    from ._logging._detach import detach_logging as detach_logging
+    from ._logging._sinks import LoggingSink as LoggingSink
+    from ._logging._sinks import TensorBoardSink as TensorBoardSink
+    from ._logging._sinks import print_sink as print_sink
+    from ._observe._doctor import doctor as doctor
+    from ._observe._host_syncs import count_host_syncs as count_host_syncs
+    from ._observe._memory import track_memory as track_memory
+    from ._parallel._grad_sync import no_sync as no_sync
     from ._precision import autocast_step as autocast_step
-    from ._preload import Preloaded as Preloaded
-    from ._preload import preload as preload
-    from ._recompute import checkpointed as checkpointed
-    from ._recompute import is_checkpointed as is_checkpointed
-    from ._sinks import LoggingSink as LoggingSink
-    from ._sinks import TensorBoardSink as TensorBoardSink
-    from ._sinks import print_sink as print_sink
-    from ._step import step as step
-    from ._steps import steps as steps
-    from ._to_device import to_device as to_device
+    from ._recompute._checkpointed import checkpointed as checkpointed
+    from ._recompute._checkpointed import is_checkpointed as is_checkpointed
+    from ._step._accumulate import accumulate as accumulate
+    from ._step._compose import step as step
+    from ._step._group import steps as steps
     from ._types import DeviceLike as DeviceLike
     from ._types import Precision as Precision
     from ._types import Scheduler as Scheduler
@@ -105,4 +106,3 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._types import Stateful as Stateful
     from ._types import SyncKind as SyncKind
     from ._types import Weight as Weight
-    from ._until import until as until

@@ -12,7 +12,7 @@ import torch
 
 from . import _ranks
 from ._devices import default_device
-from ._host_syncs import expected_sync
+from ._sync_points import expected_sync
 from ._types import DeviceLike, Precision, PrecisionLike
 
 _PRECISIONS: dict[object, Precision] = {

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository's root (tests live in folders below tests/, helpers directly in it)."""
 
 
 def mlp(seed: int = 0, width: int = 32) -> nn.Module:
@@ -130,13 +134,11 @@ def launch_scenarios(worker: str, out: Any) -> dict[str, list[dict[str, Any]]]:
     """
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
         [*cmd, worker, str(out)],
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,

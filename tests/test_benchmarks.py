@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 def test_checkpointing_benchmark_quick() -> None:

@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launch_env, launch_scenarios, mlp
+from helpers import ROOT, launch_env, launch_scenarios, mlp
 
 import loopkit
 from loopkit import distributed
 
-ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

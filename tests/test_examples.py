@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 CI = (ROOT / ".ci" / "run").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, flags=re.M | re.S)

@@ -1,0 +1,115 @@
+"""Resume's decision: the file checked against the run, agreed by every rank, then loaded.
+
+Nothing changes until every rank has found the same file and checked it in full; if a load
+still fails (user code in a hook or an extra's ``load_state_dict``), every piece loaded so
+far is put back (``_contract.load_all``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from .. import _ranks
+from .._errors import CheckpointError
+from . import _files as files
+from ._contract import StatePiece, check_all, load_all, need
+from ._pieces import StepsState, StepState
+
+BOOKKEEPING = ("format", "world_size", "saves")
+"""Entries of a file beside the pieces' states."""
+# Pieces every run has, or that come with another: a file without one is incomplete, while
+# a file without any other piece was saved by a run built with other objects.
+_ALWAYS_SAVED = ("model", "optimizer_shapes", "extra", "rng")
+# Loaded last, in this order, after the pieces whose loading runs user code and which have
+# cheap copies: the optimizer (its old state tensors are the way back), the RNG states (no
+# user code draws after them), the model (no cheap copy; its keys and shapes are checked).
+_LOADED_LAST = ("optimizer", "rng", "model")
+
+
+def check_file(pieces: Mapping[str, StatePiece], state: Mapping[str, object], path: Path) -> None:
+    """Raise CheckpointError if ``state`` cannot be loaded into this run; changes nothing."""
+    try:
+        world = _ranks.world()[1]
+        saved_world = need(state, "world_size", int, "'world_size'")
+        if saved_world != world:
+            raise CheckpointError(
+                f"written by {saved_world} process(es), resumed by {world}: resume with "
+                "the same number of processes (the data shards and RNG streams depend on it)"
+            )
+        if need(state, "saves", int, "'saves'") < 0:
+            raise CheckpointError("damaged checkpoint: 'saves' is negative")
+        check_all(pieces, state, bookkeeping=BOOKKEEPING, always_saved=_ALWAYS_SAVED)
+    except CheckpointError as err:  # said without the file: name it
+        raise CheckpointError(f"{path}: {err}") from err.__cause__
+
+
+def load_file(pieces: Mapping[str, StatePiece], state: Mapping[str, object], path: Path) -> None:
+    """Load a checked ``state``; if anything fails, put back what was already loaded."""
+    try:
+        load_all(pieces, state, last=_LOADED_LAST)
+    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
+        raise CheckpointError(
+            f"{path}: does not fit this run: {err} (nothing was restored)"
+        ) from err
+
+
+def agreed(target: Path | None, error: Exception | None) -> Exception | None:
+    """The error every rank raises unless all found ``target`` and could resume from it.
+
+    Every rank must take the same decision: a rank that went on alone would hang or train
+    from other weights. (One host-level collective per resume.)
+    """
+    reports: list[tuple[str | None, str | None]] = _ranks.gather_objects(
+        (None if target is None else str(target), None if error is None else str(error))
+    )
+    if error is not None:
+        return error
+    if len({t for t, _ in reports}) > 1:
+        listing = ", ".join(f"rank {r}: {t or 'none'}" for r, (t, _) in enumerate(reports))
+        return CheckpointError(
+            f"the ranks found different checkpoints to resume from ({listing}): every rank "
+            "must see the same directory (a shared filesystem) and pass the same path"
+        )
+    for r, (_, err) in enumerate(reports):
+        if err is not None:
+            return CheckpointError(f"{target}: rank {r} cannot resume from it: {err}")
+    return None
+
+
+def read_agreed(
+    directory: Path, target: Path | None, pieces: Mapping[str, StatePiece]
+) -> tuple[Mapping[str, object], files.Moves]:
+    """``target``'s checked state (empty for None) once every rank could resume from it.
+
+    Rank zero moves the checkpoints newer than ``target`` aside (a new lineage); the moves
+    are returned, to be undone if loading fails. Raises the error every rank agreed on,
+    with nothing moved.
+    """
+    error: Exception | None = None
+    moved: files.Moves = []
+    state: Mapping[str, object] = {}
+    try:
+        if target is not None:
+            state = files.load_checkpoint(target)
+            check_file(pieces, state, target)
+            if _ranks.world()[0] == 0:
+                moved = files.abandon_newer(directory, target, number_of(pieces, state))
+    except CheckpointError as err:
+        error = err
+    except Exception as err:  # damaged past what check_file names, or the move aside failed
+        error = CheckpointError(f"{target}: cannot resume from it: {err!r}")
+        error.__cause__ = err
+    error = agreed(target, error)
+    if error is not None:
+        files.move_back(moved)
+        raise error
+    return state, moved
+
+
+def number_of(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> int:
+    """The number a checked state is named by: its updates, or its saves without step=."""
+    stepper = pieces.get("step")
+    if isinstance(stepper, (StepState, StepsState)):
+        return stepper.saved_updates(state["step"])
+    return need(state, "saves", int, "'saves'")

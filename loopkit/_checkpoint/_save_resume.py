@@ -1,0 +1,275 @@
+"""Checkpointer: atomic loop-state checkpoints and bit-identical resume.
+
+One file holds everything a resumed loop needs: model, optimizer, scheduler, the step's
+counters and GradScaler, every rank's RNG states (python, numpy, torch CPU and CUDA), the
+epoch and the position within it (with the loader's generator state, so the same batches
+come next), and any user object with ``state_dict``/``load_state_dict``. Each of these is
+a piece (``_contract``) kept under its own key; the files on disk are
+``_files``' business.
+
+A resume checks the whole file against the run first (structure, model, optimizer,
+counters, precision, data) and only then changes anything; if loading still fails,
+everything already loaded is put back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _ranks
+from .._checks import is_int_at_least
+from .._data._epoch_loader import EpochLoader
+from .._precision import autocast_step
+from .._step import _accumulate, _compose, _group
+from .._types import Stateful
+from . import _files as files
+from ._contract import StatePiece, need, per_rank
+from ._deferred import DeferredSave
+from ._pieces import StepsState, StepState, pieces_for
+from ._resume import BOOKKEEPING, load_file, read_agreed
+
+
+class Checkpointer:
+    """Save and resume a training loop; keeps the last ``keep`` checkpoints in ``directory``.
+
+    ``ckpt.resume()`` before the loop restores the newest checkpoint (if any);
+    ``ckpt.save()`` at a window boundary writes one (rank zero writes, every rank takes
+    part); ``ckpt.maybe_save(every=N)`` saves each N-th optimizer update. Pass the same
+    objects when resuming as when saving.
+
+    Checkpoints are named by the step's update count, or (without ``step=``) by the
+    Checkpointer's own count of saves, which a checkpoint carries so numbering continues
+    after a resume. With ``loader=``, a ``maybe_save`` on the window that ends a pass of the
+    loader is deferred to the start of the next pass, so the checkpoint holds what the
+    epoch's own code did after its last window (a per-epoch ``scheduler.step()``, an
+    evaluation, the RNG it used); call ``save()`` after the loop to keep the final state.
+    ``resume(older_path)`` starts a new lineage: checkpoints newer than the one restored
+    are moved to an ``abandoned-<update>-<time>/`` subdirectory, kept but never resumed
+    from or counted by ``keep``.
+
+    ``pieces`` maps each file key to the piece that saves and restores it. An object in
+    ``extra=`` that has ``check_state_dict``, ``snapshot`` and ``restore`` besides
+    ``state_dict``/``load_state_dict`` is such a piece: its checks run before anything loads.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Stateful | None = None,
+        step: _compose.step | _group.steps | _accumulate.accumulate | None = None,
+        amp: autocast_step | None = None,
+        loader: EpochLoader | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        keep: int = 3,
+    ) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+        extra = dict(extra or {})
+        self.pieces: dict[str, StatePiece] = pieces_for(
+            model, optimizer, scheduler, step, amp, loader, extra
+        )
+        if not is_int_at_least(keep, 1):
+            raise ValueError(f"keep must be an int >= 1 (checkpoints kept on disk), got {keep!r}")
+        self.directory = Path(directory)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.step, self.amp, self.loader, self.extra = step, amp, loader, extra
+        self.keep = keep
+        self.last_saved_update: int | None = None
+        self._saves = 0  # checkpoints written in this run's lineage (names them without step=)
+        self._deferred = DeferredSave(loader, self.save)
+        stepper = self.pieces.get("step")
+        self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
+        self._used = False  # a save or a resume happened: the set of pieces is fixed
+
+    def check_can_add(self, name: str, piece: object) -> None:
+        """Raise what ``add(name, piece)`` would raise; changes nothing."""
+        if not isinstance(name, str) or not name or name in BOOKKEEPING:
+            raise ValueError(f"a piece's name must be a non-empty str, not one of "
+                             f"{BOOKKEEPING}, got {name!r}")  # fmt: skip
+        if name in self.pieces:
+            raise ValueError(
+                f"this Checkpointer already saves a piece named {name!r}: one object per name"
+            )
+        if not isinstance(piece, StatePiece):
+            raise TypeError(
+                f"{type(piece).__name__} is not a checkpoint piece (state_dict, "
+                "check_state_dict, snapshot, load_state_dict, restore)"
+            )
+        if self._used:
+            raise RuntimeError(
+                f"add {name!r} before the first resume() or save(): a resume before it would "
+                "have skipped its state"
+            )
+
+    def add(self, name: str, piece: StatePiece) -> None:
+        """Save and restore ``piece`` under ``name`` as well (before any save or resume).
+
+        Objects that work with a Checkpointer (``loopkit.until``) add themselves.
+        """
+        self.check_can_add(name, piece)
+        self.pieces[name] = piece
+
+    def _updates(self) -> int:
+        return self._acc.updates if self._acc is not None else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank contributes (RNG states are gathered from all ranks on save)."""
+        acc = self._acc
+        if acc is not None and acc.micro_step:
+            raise RuntimeError(
+                f"saving mid-window ({acc.micro_step} of {acc.every} micro-steps done) would "
+                "drop their gradients: save when acc.micro_step == 0, e.g. right after an update"
+            )
+        state: dict[str, Any] = {
+            "format": files.FORMAT,
+            "world_size": _ranks.world()[1],
+            "saves": self._saves,
+        }
+        for name, piece in self.pieces.items():
+            if not per_rank(piece):
+                state[name] = piece.state_dict()
+        return state
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def save(self) -> Path | None:
+        """Write a checkpoint now; returns its path on rank zero (None on other ranks).
+
+        Also writes (and so cancels) a save that ``maybe_save`` deferred to the next pass.
+        """
+        state = self.state_dict()
+        self._used = True
+        state["saves"] = self._saves + 1
+        for name, piece in self.pieces.items():
+            if per_rank(piece):
+                state[name] = _ranks.gather_objects(piece.state_dict())  # a host-level collective
+        rank = _ranks.world()[0]
+        number = self._updates() if self.step is not None else self._saves + 1
+        path, error = None, None
+        if rank == 0:
+            path = files.path_for(self.directory, number)
+            try:
+                files.atomic_save(state, path)
+                files.prune(self.directory, self.keep)
+            except Exception as err:
+                error = err
+        # Every rank learns whether the file was written (no rank may read or prune before
+        # it is complete, and none goes on as if it were saved when it is not).
+        failed = _ranks.gather_objects(None if error is None else repr(error))[0]
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise RuntimeError(f"rank 0 could not write the checkpoint: {failed}")
+        self._count_saved(self._saves + 1)
+        return path
+
+    def maybe_save(self, every: int) -> Path | None:
+        """Save when the optimizer has made a multiple of ``every`` updates since the last save.
+
+        With ``loader=``, the save on the window that ends the loader's pass is deferred:
+        it is written when the next pass starts (before its first batch), holding what ran
+        after the last window; ``None`` is returned then.
+        """
+        if not is_int_at_least(every, 1):
+            raise ValueError(f"every must be an int >= 1 (updates between saves), got {every!r}")
+        acc = self._acc
+        if acc is None:
+            raise RuntimeError("maybe_save needs step= (to count updates); call save() instead")
+        updates = acc.updates
+        if (
+            not updates
+            or acc.micro_step
+            or updates % every
+            or updates in (self.last_saved_update, self._deferred.update)
+        ):
+            return None
+        if self._deferred.pass_is_over(acc.lookahead):
+            # The epoch's code after its last window has not run yet: a checkpoint now would
+            # resume without it.
+            self._deferred.defer(updates)
+            return None
+        return self.save()
+
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save that ``maybe_save`` deferred to the next pass is still unwritten."""
+        return self._deferred.update is not None
+
+    def save_at_boundary(self) -> Path | None:
+        """Save now unless this update is saved already; deferred as ``maybe_save`` defers.
+
+        What a stop condition calls inside the loop: on the window that ends the loader's
+        pass, the save waits for the next pass or for ``save_if_needed()``.
+        """
+        if self._acc is None:
+            return self.save()
+        return self.maybe_save(every=1)
+
+    def save_if_needed(self) -> Path | None:
+        """Save unless the newest checkpoint already holds this state (e.g. after the loop).
+
+        Writes a save that ``maybe_save`` deferred; without ``step=`` it always saves.
+        """
+        if self._acc is None or self.save_pending:
+            return self.save()
+        if self.last_saved_update == self._acc.updates:
+            return None
+        return self.save()
+
+    def _count_saved(self, saves: int) -> None:
+        """After a save or a resume: ``saves`` name the next; no save is due or deferred."""
+        self._saves = saves
+        self.last_saved_update = self._updates()
+        self._deferred.cancel()
+
+    def checkpoints(self) -> list[Path]:
+        """Finished checkpoints of the current lineage in the directory, oldest first."""
+        return files.checkpoints(self.directory)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def resume(self, path: str | os.PathLike[str] | None = None) -> Path | None:
+        """Restore the newest checkpoint (or ``path``); None if there is none yet.
+
+        The checkpoint is checked against this run first; a resume that raises leaves
+        every object, the RNG states and the directory as they were. Under DDP every rank
+        calls it; all resume from the same file or all raise. Restoring a checkpoint older
+        than the newest in the directory starts a new lineage: the newer ones are moved to
+        an ``abandoned-<update>-<time>/`` subdirectory.
+        """
+        acc = self._acc
+        if acc is not None and acc.micro_step:
+            raise RuntimeError(
+                f"resume() in the middle of an accumulation window ({acc.micro_step} of "
+                f"{acc.every} micro-steps done): call it before the training loop"
+            )
+        self._used = True  # even a refused resume: pieces added now would miss its checks
+        target: Path | None
+        if path is None:
+            found = self.checkpoints()
+            target = found[-1] if found else None
+        else:
+            target = Path(path)
+        state, moved = read_agreed(self.directory, target, self.pieces)
+        if _ranks.world()[0] == 0:
+            files.remove_stale_temporaries(self.directory)  # a crashed save's leftovers
+        if target is None:
+            return None
+        try:
+            # Checked on every rank: loading fails now only where user code (a hook, an
+            # extra's load_state_dict) raises, and then everything loaded is put back.
+            load_file(self.pieces, state, target)
+        except BaseException:
+            files.move_back(moved)
+            raise
+        self._count_saved(need(state, "saves", int, "'saves'"))
+        return target

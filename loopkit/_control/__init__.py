@@ -1,0 +1,1 @@
+"""Loop control: until, early_stop, cadence, evaluate."""

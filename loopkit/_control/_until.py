@@ -1,0 +1,261 @@
+"""loopkit.until: when a training loop stops, decided alike on every rank, at a boundary.
+
+Limits on updates and epochs are counts every rank shares, so they need no exchange and
+stop exactly. A signal (preemption) reaches the ranks it reaches, and every rank's clock
+reads its own time: those are pooled in one small all-reduce every ``check_every``
+updates (at updates that are a multiple of it, so every rank checks at the same update),
+and every rank stops if any rank got a signal or any rank's clock is past ``max_time``.
+A stop is only ever taken where a window has just closed, so no half window is dropped;
+with a Checkpointer it writes one checkpoint there.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+from .. import _ranks
+from .._checkpoint._save_resume import Checkpointer
+from .._checks import is_int_at_least
+from .._data._epoch_loader import EpochLoader
+from ._boundaries import Boundaries, clock_of
+from ._durations import parse_duration
+from ._early_stop import early_stop as EarlyStop
+from ._signals import SignalFlag, SignalLike, check_can_catch, resolve_signals
+from ._stop_state import UntilState
+
+
+class until:
+    """Stop a training loop on a limit or a signal, on every rank at the same update.
+
+    ``stop = loopkit.until(step, max_updates=, max_epochs=, max_time=, signals=)``, then
+    ``for epoch in stop.epochs(loader):`` around the epoch loop and
+    ``if stop.check(): break`` after each micro-step. ``check()`` answers True only where a
+    window has just closed. ``max_time`` (``"HH:MM:SS"``, ``"DD:HH:MM:SS"``, a timedelta)
+    counts the training time of the whole run, resumes included. A signal in ``signals``
+    (default SIGTERM, as a preempting scheduler sends) no longer kills the process: the
+    loop stops at the next check, saves, and the script ends normally (exit 0). Signals and
+    time are checked every ``check_every`` updates (one small all-reduce under DDP); limits
+    on updates and epochs, and ``early_stop``'s decision, at every boundary.
+
+    ``checkpointer=ckpt``: the stop writes one checkpoint at its boundary (deferred to
+    the end of the epoch's code when it falls on the epoch's last window, like
+    ``maybe_save``), and the stop's own state (elapsed time, ``early_stop``'s counters)
+    is saved with every checkpoint. Build it before ``ckpt.resume()``. Use it as a context
+    manager (``with loopkit.until(...) as stop:``), or let ``epochs()`` end, to put the
+    signal handlers back.
+    """
+
+    def __init__(
+        self,
+        step: object = None,
+        *,
+        max_updates: int | None = None,
+        max_epochs: int | None = None,
+        max_time: object = None,
+        signals: Iterable[SignalLike] = ("SIGTERM",),
+        early_stop: EarlyStop | None = None,
+        check_every: int = 10,
+        checkpointer: Checkpointer | None = None,
+        timer: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # Everything is checked before a handler is installed or the Checkpointer changed.
+        clock = clock_of(step, "until")
+        for name, value in (("max_updates", max_updates), ("max_epochs", max_epochs)):
+            if value is not None and not is_int_at_least(value, 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        seconds = None if max_time is None else parse_duration(max_time)
+        sigs = resolve_signals(signals)
+        if not is_int_at_least(check_every, 1):
+            raise ValueError(
+                f"check_every must be an int >= 1 (updates between signal/time checks), "
+                f"got {check_every!r}"
+            )
+        if early_stop is not None and not isinstance(early_stop, EarlyStop):
+            raise TypeError(f"early_stop must be a loopkit.early_stop, got {early_stop!r}")
+        if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
+            raise TypeError(f"checkpointer must be a loopkit.Checkpointer, got {checkpointer!r}")
+        if not callable(timer):
+            raise TypeError("timer must be a callable returning seconds (time.monotonic)")
+        check_can_catch(sigs, "until")
+        boundaries = Boundaries(clock)
+        state = UntilState(timer, boundaries, early_stop)
+        if checkpointer is not None:
+            checkpointer.check_can_add("until", state)
+        self.max_updates, self.max_epochs, self.max_time = max_updates, max_epochs, seconds
+        self.signals, self.early_stop, self.check_every = sigs, early_stop, check_every
+        self.checkpointer = checkpointer
+        self._boundaries, self._state = boundaries, state
+        self.reason: str | None = None
+        """Why the loop stopped (``"max_updates"``, ``"SIGTERM"``, ...); None until it does."""
+        self.stopped_at: int | None = None
+        """The update the loop stopped at."""
+        self._stop_saved = False  # the stop's checkpoint is written (close() need not)
+        # The first boundary pools signals and clocks whatever its number: a run resumed
+        # past max_time stops there, not check_every updates later (every rank alike).
+        self._state.pool_next = True
+        self._flag = SignalFlag(sigs)
+        if checkpointer is not None:
+            checkpointer.add("until", self._state)
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of training so far, runs resumed from included (this rank's clock)."""
+        return self._state.elapsed
+
+    @property
+    def preempted(self) -> bool:
+        """Whether the loop stopped on a signal."""
+        return self.reason is not None and self.reason.startswith("SIG")
+
+    def check(self) -> bool:
+        """Whether to stop now; True only where a window has just closed (and after).
+
+        Call it on every rank after each micro-step (or, without a loopkit step, after
+        each optimizer step). Every ``check_every``-th update it exchanges the signals
+        and clocks of the ranks (a host sync under nccl).
+        """
+        if self.reason is not None:
+            return True
+        updates = self._boundaries.new()
+        if updates is None:
+            return False
+        reason = self._limit_reached(updates)
+        pooled = bool(self.signals) or self.max_time is not None
+        if reason is None and pooled and (self._state.pool_next or updates % self.check_every == 0):
+            self._state.pool_next = False
+            reason = self._agreed_reason()
+        if reason is None:
+            return False
+        self._stop(reason, final=False)
+        return True
+
+    def _limit_reached(self, updates: int) -> str | None:
+        """A stop every rank sees alike without an exchange (shared counts, agreed metric)."""
+        if self.max_updates is not None and updates >= self.max_updates:
+            return "max_updates"
+        if self.early_stop is not None and self.early_stop.stopped:
+            return "early_stop"
+        return None
+
+    def _agreed_reason(self) -> str | None:
+        """Signals and clocks pooled over the ranks: every rank gets the same answer."""
+        received, elapsed = _ranks.max_values([float(self._flag.received), self.elapsed])
+        if received:
+            return signal.Signals(int(received)).name
+        if self.max_time is not None and elapsed >= self.max_time:
+            return "max_time"
+        return None
+
+    def _stop(self, reason: str, final: bool) -> None:
+        self.reason, self.stopped_at = reason, self._boundaries.updates
+        ckpt = self.checkpointer
+        if ckpt is not None:
+            # In the loop: a save that falls on an epoch's last window waits for the
+            # epoch's own code (as maybe_save's); after the loop: whatever is not saved yet.
+            if final:
+                ckpt.save_if_needed()
+            else:
+                ckpt.save_at_boundary()
+            # Written now unless deferred to the epoch's end (the same on every rank).
+            self._stop_saved = not ckpt.save_pending
+
+    # -- the epoch loop ---------------------------------------------------------------------
+
+    def epochs(self, loader: EpochLoader | None = None) -> Iterator[int]:
+        """Yield epoch numbers until a stop or ``max_epochs``; then save and close.
+
+        With ``loader=`` (a ``loopkit.distributed.loader``) the epochs are the loader's, so
+        a resumed run continues its interrupted epoch; without, until counts them.
+        """
+        ckpt = self.checkpointer
+        if loader is not None and ckpt is not None and ckpt.loader is not loader:
+            raise ValueError(
+                "epochs(loader) follows this loader's epochs, but the Checkpointer does not "
+                "save it: pass it as Checkpointer(loader=...) too, or a resumed run would "
+                "start its epochs over"
+            )
+        if loader is not None and not isinstance(loader, EpochLoader):
+            raise TypeError(
+                "epochs(loader) takes a loopkit.distributed.loader (which counts its epochs), "
+                f"got {type(loader).__name__}; call epochs() to let until count them"
+            )
+        return self._epochs(loader)
+
+    def _epochs(self, loader: EpochLoader | None) -> Iterator[int]:
+        try:
+            while True:
+                epoch = loader.epoch if loader is not None else self._state.epoch
+                if self.reason is None:
+                    updates = self._boundaries.updates
+                    if self.max_epochs is not None and epoch >= self.max_epochs:
+                        self._stop("max_epochs", final=True)
+                    elif (reason := self._limit_reached(updates)) is not None:
+                        self._stop(reason, final=True)
+                    elif self._state.pool_next and (self.signals or self.max_time is not None):
+                        # A run resumed past max_time (or signalled) stops before training:
+                        # every rank enters epochs() at the same update, so pools alike.
+                        self._state.pool_next = False
+                        if (reason := self._agreed_reason()) is not None:
+                            self._stop(reason, final=True)
+                if self.reason is not None:
+                    self.close()
+                    return
+                yield epoch
+                if loader is None:
+                    self._state.epoch = epoch + 1
+        except GeneratorExit:
+            # The epoch loop was left early: by a break or by an exception in its body,
+            # which cannot be told apart here, so nothing is saved (a failed epoch's state
+            # must not be); the handlers go back. Let epochs() end, or use `with until(...)`.
+            self._flag.restore()
+            raise
+
+    def close(self) -> None:
+        """Write a stop's checkpoint if it is not written yet; put the signal handlers back."""
+        try:
+            if self.reason is not None and self.checkpointer is not None:
+                if not self._stop_saved:
+                    self.checkpointer.save_if_needed()
+                self._stop_saved = True
+        finally:
+            self._flag.restore()
+
+    def __enter__(self) -> until:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # a failed loop saves nothing more: only the handlers go back
+            self._flag.restore()
+
+    # -- checkpoint piece (``_stop_state``) ------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        """Elapsed training time, self-counted epochs and updates, early_stop's counters."""
+        return self._state.state_dict()
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; the clock goes on from the saved time."""
+        self._state.load_state_dict(saved)
+
+    def __repr__(self) -> str:
+        limits = {
+            "max_updates": self.max_updates,
+            "max_epochs": self.max_epochs,
+            "max_time": self.max_time,
+        }
+        said = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
+        sigs = tuple(s.name for s in self.signals)
+        return f"loopkit.until({said}, signals={sigs}, reason={self.reason!r})"

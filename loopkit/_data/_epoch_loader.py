@@ -1,0 +1,216 @@
+"""``EpochLoader``: a DataLoader that counts its epochs and its place in them, resumably."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .._checks import is_int_at_least
+from ._seeding import KeyedBatches
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where the loader stands: all that ``load_state_dict`` sets and a refused resume puts back."""
+
+    next_epoch: int = 0
+    """The epoch the next pass will run (0 before the first)."""
+    position: int = 0
+    """Batches handed out in the current pass."""
+    resume_at: int = 0
+    """Batches the next pass skips: a resumed pass continues after them."""
+    pass_epoch: int = 0
+    """The epoch of the current pass (after a load, of the pass to run next)."""
+    pass_generator_state: torch.Tensor | None = None
+    """The loader's generator as the current pass began (it draws the workers' seeds)."""
+
+
+LoaderSnapshot = tuple[_Progress, torch.Tensor | None]
+"""What ``EpochLoader._snapshot`` returns: its progress and its generator's state."""
+
+
+class EpochLoader:
+    """A DataLoader that advances its sampler's epoch on every pass, so no rank forgets.
+
+    It also knows how far the current pass got (``position``, in batches), which is what
+    a checkpoint needs to continue the same data order mid-epoch. Each batch is fetched
+    (and collated) with the python, numpy and torch RNGs set from (seed, epoch, rank,
+    batch index), so random augmentation is the same whatever the workers and resumes.
+    """
+
+    def __init__(self, loader: DataLoader[Any], batches: KeyedBatches) -> None:
+        self.loader = loader
+        self.batches = batches
+        self._progress = _Progress()
+        # Called (and dropped) when the next pass starts, before its first batch is drawn:
+        # a Checkpointer defers an end-of-epoch save to here, after the epoch's own code.
+        self._before_next_pass: list[Callable[[], object]] = []
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass will run (0 before the first)."""
+        return self._progress.next_epoch
+
+    @property
+    def position(self) -> int:
+        """Batches handed out in the current pass."""
+        return self._progress.position
+
+    def __iter__(self) -> Iterator[Any]:
+        while self._before_next_pass:
+            # Each hook leaves the list before it runs: one that raises is not run again,
+            # and the ones after it still run at the next pass.
+            self._before_next_pass.pop(0)()
+        p = self._progress
+        epoch, p.next_epoch = p.next_epoch, p.next_epoch + 1
+        self.batches.set_epoch(epoch)
+        generator = self.loader.generator
+        if generator is not None:
+            # The pass draws its worker seeds from this generator: remember its state at the
+            # start of the pass so a resumed pass draws the same ones.
+            p.pass_generator_state = generator.get_state()
+        start, p.resume_at = p.resume_at, 0
+        self.batches.skip = start
+        p.pass_epoch = epoch
+        p.position = start
+        return self._counted(iter(self.loader))
+
+    def _counted(self, it: Iterator[Any]) -> Iterator[Any]:
+        for batch in it:
+            self._progress.position += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass run ``epoch`` (for a resumed run)."""
+        if not is_int_at_least(epoch, 0):
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._progress.next_epoch = epoch
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where the current pass stands: its epoch and the batches ``consumed`` so far.
+
+        Also records the data set's length, the batch size and the batches per pass, so a
+        resume with other data is refused instead of repeating some samples and skipping
+        others.
+        """
+        p = self._progress
+        position = p.position if consumed is None else consumed
+        state: dict[str, Any] = {
+            "epoch": p.pass_epoch,
+            "position": position,
+            "next_epoch": p.next_epoch,
+            "dataset_length": self.batches.dataset_length,
+            "samples": self.batches.samples,
+            "batch_size": self.batches.batch_size,
+            "batches": len(self.loader),
+        }
+        generator = self.loader.generator
+        if generator is not None:
+            finished = position >= len(self.loader)
+            if finished or p.pass_generator_state is None:
+                # The next pass starts from the generator as it is now.
+                state["generator"] = generator.get_state()
+            else:
+                # A resumed pass is rebuilt from its start: the state the pass began with.
+                state["generator"] = p.pass_generator_state
+        return state
+
+    def _check_state(self, state: object) -> None:
+        """Raise ValueError saying what is wrong if ``state`` cannot be loaded here."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"a loader state must be a dict, got {type(state).__name__}")
+        for key in ("epoch", "position", "next_epoch", "dataset_length", "samples", "batches"):
+            if key not in state:
+                raise ValueError(f"the loader state has no {key!r} entry (incomplete)")
+            if not is_int_at_least(state[key], 0):
+                raise ValueError(
+                    f"the loader state's {key!r} must be an int >= 0, got {state[key]!r}"
+                )
+        if "batch_size" not in state:
+            raise ValueError("the loader state has no 'batch_size' entry (incomplete)")
+        if state["dataset_length"] != self.batches.dataset_length:
+            raise ValueError(
+                f"the data set has {self.batches.dataset_length} samples but the state was "
+                f"saved with {state['dataset_length']}: resuming would repeat some samples and "
+                "skip others; resume with the data set the run was saved with"
+            )
+        if state["batch_size"] != self.batches.batch_size:
+            raise ValueError(
+                f"the loader's batch size is {self.batches.batch_size} but the state was saved "
+                f"with {state['batch_size']}: build the loader with the same batch size"
+            )
+        here = (self.batches.samples, len(self.loader))
+        if (state["samples"], state["batches"]) != here:
+            raise ValueError(
+                f"this loader's pass has {here[0]} samples in {here[1]} batches but the state "
+                f"was saved from one with {state['samples']} in {state['batches']}: resume with "
+                "the same number of processes, drop_last and batch size"
+            )
+        if state["position"] > state["batches"]:
+            raise ValueError(
+                f"the loader state's position {state['position']} is past the end of a pass of "
+                f"{state['batches']} batches"
+            )
+        generator = self.loader.generator
+        saved = state.get("generator")
+        if saved is not None and generator is not None:
+            if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
+                raise ValueError(
+                    "the loader state's 'generator' must be a uint8 tensor from "
+                    f"torch.Generator.get_state(), got {type(saved).__name__}"
+                )
+            try:  # on a scratch generator: this loader's stays untouched if it is refused
+                torch.Generator(device=generator.device).set_state(saved)
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise ValueError(
+                    f"the loader state's 'generator' is not a valid state: {err}"
+                ) from err
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where ``state_dict`` left off: the same epoch, the next batch.
+
+        The state is checked first (data set length, batch size, batches per pass, the
+        generator state); a refused state changes nothing.
+        """
+        self._check_state(state)
+        p = self._progress
+        position = int(state["position"])
+        if position >= len(self.loader):
+            # The pass had finished: the next one is a new epoch, from its first batch.
+            p.next_epoch, p.resume_at = int(state["next_epoch"]), 0
+        else:
+            p.next_epoch, p.resume_at = int(state["epoch"]), position
+        # Described as "the pass to run next, with `resume_at` batches done", so that a
+        # state_dict() taken before the next pass starts round-trips.
+        p.pass_epoch, p.position = p.next_epoch, p.resume_at
+        generator = self.loader.generator
+        saved = state.get("generator")
+        if saved is not None and generator is not None:
+            generator.set_state(saved)
+            p.pass_generator_state = generator.get_state()
+
+    def _snapshot(self) -> LoaderSnapshot:
+        """Everything ``load_state_dict`` changes, for ``_restore`` to put back."""
+        generator = self.loader.generator
+        return (
+            dataclasses.replace(self._progress),
+            generator.get_state() if generator is not None else None,
+        )
+
+    def _restore(self, snapshot: LoaderSnapshot) -> None:
+        progress, generator_state = snapshot
+        self._progress = dataclasses.replace(progress)  # the snapshot stays as it was taken
+        if generator_state is not None and self.loader.generator is not None:
+            self.loader.generator.set_state(generator_state)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return self.batches.batch_size

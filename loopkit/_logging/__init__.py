@@ -1,0 +1,1 @@
+"""detach_logging: metrics kept on the device, reduced, read once per interval, sunk."""

@@ -1,0 +1,266 @@
+"""detach_logging: record metrics on the device every step, read them once per interval.
+
+The sinks are in ``_sinks``, the reductions in ``_reductions`` and the cross-rank
+flush in ``_exchange``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar, cast, overload
+
+import torch
+
+from .. import _ranks
+from .._checks import is_int_at_least
+from .._types import Reduction, Sink
+from ._exchange import reduce_across_ranks
+from ._reductions import REDUCTIONS, Value, reduce_local
+from ._sinks import print_sink, takes_step
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class detach_logging:
+    """Record metrics detached and on their device; reduce and read them once per ``every``.
+
+    ``every``: flush interval, in log calls (None: only on ``flush()`` and leaving ``with``).
+
+    ``log(loss=loss, acc=acc)`` keeps each value as a detached tensor on its device: no
+    host-device sync, no autograd graph kept alive. Every ``every`` calls (and on
+    ``flush()`` or leaving ``with log:``) each metric is reduced (``mean`` by default;
+    ``reduce="max"`` or ``reduce={"acc": "max"}`` picks ``sum``/``max``/``min``/``last``)
+    and ``sink`` gets one dict of Python floats, read from the device in a single
+    transfer. Reductions run in float64 (float32 on MPS, which has no float64), so integer
+    and float64 counters stay exact, and a NaN among the values always comes out as NaN,
+    for tensors and Python numbers alike. ``@log`` on a function returning a scalar
+    tensor or a dict of them records its result and returns it unchanged.
+
+    Under DDP, by default (``sync_ranks=None``) each rank reduces its own values with no
+    collective, so logging on rank zero only is safe, and only rank zero calls the sink;
+    ``sync_ranks=False`` calls the sink on every rank. ``sync_ranks=True`` reduces across
+    ranks, in one all-gather per flush: means are over every value of every rank, ``sum``/
+    ``max``/``min`` over all ranks, ``last`` the mean of the ranks' last values, and a
+    metric logged on some ranks only is reduced over the ranks that logged it. Then the
+    flush is a collective: every rank must flush together (the same number of ``log``
+    calls between flushes, and ``flush()`` called on every rank), whatever it logged;
+    leaving ``with log:`` on an exception then skips the flush rather than risk a hang.
+    In a single process ``sync_ranks=True`` reduces locally, so the script runs unchanged.
+    """
+
+    def __init__(
+        self,
+        every: int | None = 1,
+        sink: Sink | Callable[..., object] | None = print_sink,
+        *,
+        reduce: Reduction | Mapping[str, Reduction] = "mean",
+        sync_ranks: bool | None = None,
+    ) -> None:
+        if every is not None and not is_int_at_least(every, 1):
+            raise ValueError(
+                f"every must be an int >= 1 (flush every that many calls) or None (flush only "
+                f"on flush()), got {every!r}"
+            )
+        if sink is not None and not callable(sink):
+            raise TypeError(
+                f"sink must be callable with a dict of floats (e.g. print), got {sink!r}"
+            )
+        self._default: str
+        self._per_metric: dict[str, str]
+        if isinstance(reduce, str):
+            self._default, self._per_metric = reduce, {}
+        elif isinstance(reduce, Mapping):
+            self._default, self._per_metric = "mean", dict(reduce)
+        else:
+            raise TypeError(
+                f"reduce must be a reduction name or a dict metric -> name, got {reduce!r}"
+            )
+        for name in (self._default, *self._per_metric.values()):
+            if name not in REDUCTIONS:
+                raise ValueError(f"unknown reduction {name!r}: use one of {sorted(REDUCTIONS)}")
+        if sync_ranks is not None and not isinstance(sync_ranks, bool):
+            raise TypeError(f"sync_ranks must be None, True or False, got {sync_ranks!r}")
+        self.every = every
+        self.sink = sink
+        self.sync_ranks = sync_ranks
+        self._sink_takes_step = sink is not None and takes_step(sink)
+        self._values: dict[str, list[Value]] = {}
+        self._calls_since_flush = 0
+        self.step = 0
+        """Number of ``log(...)`` calls so far."""
+        self.last: dict[str, float] = {}
+        """The values of the most recent flush."""
+
+    # -- recording ----------------------------------------------------------------------
+
+    @overload
+    def __call__(self, fn: F, /) -> F: ...
+    @overload
+    def __call__(self, /, **metrics: torch.Tensor | float) -> None: ...
+    def __call__(self, fn: F | None = None, /, **metrics: torch.Tensor | float) -> F | None:
+        """``log(name=value, ...)`` records; ``@log`` decorates a function."""
+        if fn is not None:
+            if metrics or not callable(fn):
+                raise TypeError(
+                    "record metrics by keyword, log(loss=loss, acc=acc); a single positional "
+                    "argument must be a function to decorate"
+                )
+            return self._decorate(fn)
+        self.record(metrics)
+        return None
+
+    def record(self, metrics: Mapping[str, torch.Tensor | float]) -> None:
+        """Record one value per metric (a scalar tensor or a Python number)."""
+        if not metrics:
+            raise TypeError("log() got no metrics: call it as log(loss=loss, ...)")
+        checked = [(name, _checked(name, v, self._values.get(name))) for name, v in metrics.items()]
+        flushes = self.every is not None and self._calls_since_flush + 1 >= self.every
+        across = self._across_ranks() if flushes else False
+        # Stored only once every value is known good, so a bad call records nothing.
+        for name, value in checked:
+            self._values.setdefault(name, []).append(value)
+        self.step += 1
+        self._calls_since_flush += 1
+        if not flushes:
+            return
+        try:
+            reduced = self._reduce(self._values, across)
+        except BaseException:
+            # The flush failed before it changed anything (a collective that timed out, ranks
+            # configured differently): take this call's values back out, as if never made.
+            for name, _ in checked:
+                kept = self._values[name]
+                kept.pop()
+                if not kept:
+                    del self._values[name]
+            self.step -= 1
+            self._calls_since_flush -= 1
+            raise
+        self._deliver(reduced)
+
+    def _decorate(self, fn: F) -> F:
+        name = getattr(fn, "__name__", "value")
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if isinstance(out, Mapping):
+                self.record(out)
+            elif isinstance(out, (torch.Tensor, int, float)):
+                self.record({name: out})
+            else:
+                raise TypeError(
+                    f"@detach_logging: {name}() returned {type(out).__name__}; it must return "
+                    "a scalar tensor or a dict of scalar tensors to log"
+                )
+            return out
+
+        return cast(F, wrapper)  # functools.wraps gives it fn's signature
+
+    # -- reading ------------------------------------------------------------------------
+
+    def flush(self) -> dict[str, float]:
+        """Reduce what was recorded since the last flush, send it to the sink, return it.
+
+        With ``sync_ranks=True`` this is a collective: call it on every rank, even one
+        that recorded nothing since the last flush.
+        """
+        across = self._across_ranks()
+        if not self._values and not across:
+            self._calls_since_flush = 0
+            return {}
+        # Reduced before anything changes: if it raises, the values stay for the next flush.
+        reduced = self._reduce(self._values, across)
+        self._deliver(reduced)
+        return reduced
+
+    def _across_ranks(self) -> bool:
+        """Whether flushes reduce across ranks (never with one process: nothing to meet)."""
+        return self.sync_ranks is True and _ranks.is_multi_rank()
+
+    def _deliver(self, reduced: dict[str, float]) -> None:
+        """Commit a successful flush: clear the interval, remember it, call the sink."""
+        self._values = {}
+        self._calls_since_flush = 0
+        if not reduced:  # a cross-rank flush where no rank had logged anything
+            return
+        self.last = reduced
+        # The default keeps the sink to rank zero (no collective needed to know the rank).
+        if self.sink is not None and (self.sync_ranks is False or _ranks.world()[0] == 0):
+            if self._sink_takes_step:
+                # takes_step checked that this sink declares step=; Sink's type has none.
+                with_step: Callable[..., object] = self.sink
+                with_step(reduced, step=self.step)
+            else:
+                self.sink(reduced)
+
+    def _how(self, name: str) -> str:
+        return self._per_metric.get(name, self._default)
+
+    def _reduce(self, values: dict[str, list[Value]], across: bool) -> dict[str, float]:
+        if across:
+            return reduce_across_ranks(values, self._how)
+        return reduce_local(values, self._how)
+
+    def __enter__(self) -> detach_logging:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Leaving on an exception that may be this rank's alone: a cross-rank flush would
+        # wait for ranks that are not flushing (a hang), so the values stay unflushed.
+        if exc_type is not None and self.sync_ranks is True:
+            return
+        self.flush()
+
+    def __repr__(self) -> str:
+        return f"detach_logging(every={self.every}, sink={self.sink!r})"
+
+
+def _checked(name: object, v: object, previous: list[Value] | None) -> Value:
+    if not isinstance(name, str):
+        raise TypeError(
+            f"metric names must be str, got {type(name).__name__}: {name!r}; log(loss=loss) or "
+            "record({'loss': loss})"
+        )
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(
+                f"metric {name!r} has shape {tuple(v.shape)}: log scalars, e.g. "
+                f"log({name}=value.mean())"
+            )
+        if v.is_complex():
+            raise ValueError(f"metric {name!r} is complex: log its .abs() or .real")
+        if previous:
+            if not isinstance(previous[0], torch.Tensor):
+                raise TypeError(
+                    f"metric {name!r} was a Python number before and is a tensor now: log it "
+                    "the same way every call"
+                )
+            if previous[0].device != v.device:
+                raise ValueError(
+                    f"metric {name!r} was on {previous[0].device} before and is on {v.device} "
+                    f"now: log it from the same device every call (or .to() it first)"
+                )
+        # Stored 0-d, so the flush stacks them without reshaping each one.
+        return v.detach() if v.dim() == 0 else v.detach().reshape(())
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if previous and isinstance(previous[0], torch.Tensor):
+            raise TypeError(
+                f"metric {name!r} was a tensor before and is a Python number now: log it "
+                "the same way every call"
+            )
+        try:
+            return float(v)
+        except OverflowError:
+            raise ValueError(
+                f"metric {name!r} is an int of {len(str(abs(int(v))))} digits, too large for a "
+                "float: log it scaled down"
+            ) from None
+    raise TypeError(f"metric {name!r} must be a scalar tensor or a number, got {type(v).__name__}")

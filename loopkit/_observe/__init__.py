@@ -1,0 +1,1 @@
+"""Seeing what a loop does: the doctor, host-sync counting, memory tracking."""

@@ -1,0 +1,374 @@
+"""doctor: where each step's time goes, how often it stalls the host, and which tip applies.
+
+Per step it times the wait for the loader's next batch (inside ``next()``, when it iterates
+the loader), the time spent outside the step otherwise (the user's code between two
+steps), the host-to-device copy, forward+backward, the optimizer step, logging and
+communication, and it counts host-device syncs on a few sampled steps (counting every op
+would slow the loop it measures). On CUDA the phases are timed with CUDA events, resolved
+only when a report is made, so the doctor adds no sync of its own. The clock is in
+``_phase_clock``, the words in ``_report``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from .._checks import is_int_at_least
+from .._devices import model_device, parse_device
+from .._parallel._grad_sync import unwrap
+from .._precision import resolve_precision
+from .._types import DeviceLike, PrecisionLike
+from ._cuda_sync_warnings import CudaSyncCounter
+from ._host_syncs import count_host_syncs
+from ._phase_clock import PhaseClock
+from ._report import PHASES, Context, Stats, report_text, tips_for
+
+T = TypeVar("T")
+
+
+class _Phase:
+    """``with doc.phase(name):`` attributes the time inside to ``name``."""
+
+    __slots__ = ("clock", "name", "previous")
+
+    def __init__(self, clock: PhaseClock, name: str) -> None:
+        self.clock, self.name, self.previous = clock, name, ""
+
+    def __enter__(self) -> None:
+        self.previous = self.clock.switch(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock.switch(self.previous)
+
+
+class doctor:
+    """Measure a training loop and say, in plain words, what slows it.
+
+    Alone: ``doc.attach(model, optimizer, precision, device)`` once, ``with doc:`` around
+    each step's body, ``with doc.phase("h2d")``/``("optimizer")`` around those parts,
+    ``doc.count(samples=..., tokens=...)`` for throughput, and ``for batch in
+    doc.iterate(loader)``, which times the loader's ``next()`` (the data wait) and counts
+    samples. Time between two steps spent elsewhere is "outside the step" (the user's code
+    between steps); without ``doc.iterate`` the data wait is part of it too. In
+    ``loopkit.step(..., doctor=doc)`` the step attaches it and times every phase for you.
+    ``doc.report()`` returns the report; with ``report_at_exit=True`` it is printed when
+    the program ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        loader: object = None,
+        sample_syncs_at: Iterable[int] = (3, 4, 5),
+        sample_syncs_every: int | None = 500,
+        report_every: int | None = None,
+        sink: Callable[[str], object] = print,
+        report_at_exit: bool = False,
+        device: DeviceLike | None = None,
+    ) -> None:
+        sampled = sorted(set(sample_syncs_at))
+        if any(not is_int_at_least(s, 1) for s in sampled):
+            raise ValueError(
+                f"sample_syncs_at must hold step numbers >= 1 (1 is the first step), got {sampled}"
+            )
+        for name, value in (
+            ("sample_syncs_every", sample_syncs_every),
+            ("report_every", report_every),
+        ):
+            if value is not None and not is_int_at_least(value, 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if not callable(sink):
+            raise TypeError(
+                f"sink must be callable with the report text (e.g. print), got {sink!r}"
+            )
+        self.loader = loader
+        self.sink = sink
+        self.report_every = report_every
+        self._sampler = _SyncSampler(frozenset(sampled), sample_syncs_every)
+        self._clock = PhaseClock()
+        self._device: torch.device | None = None
+        self.device = device
+        self.steps = 0
+        """Steps measured so far."""
+        self.samples = 0
+        self.tokens = 0
+        self.precision: str | None = None
+        """Set by ``attach``: "fp16" on a CPU gets the bf16 tip."""
+        self.optimizer: torch.optim.Optimizer | None = None
+        """Set by ``attach``: its host-side step counters are not counted as syncs."""
+        self._iterated = False  # whether doc.iterate has timed the loader's next()
+        if report_at_exit:
+            atexit.register(self._report_at_exit)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The training device: as given (``attach`` sets it), else the optimizer's."""
+        return self._device if self._device is not None else _params_device(self.optimizer)
+
+    @device.setter
+    def device(self, device: DeviceLike | None) -> None:
+        if self._clock.inside:
+            raise RuntimeError("the doctor's device can change between steps, not inside one")
+        self._set_device(None if device is None else parse_device(device))
+
+    def _set_device(self, dev: torch.device | None) -> None:
+        self._device = dev
+        self._clock.cuda = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds per phase over all steps (CUDA phases once resolved by report())."""
+        return self._clock.seconds
+
+    @property
+    def syncs(self) -> Counter[str]:
+        """The user's host-device syncs on the sampled steps, by operation."""
+        return self._sampler.user
+
+    @property
+    def expected_syncs(self) -> Counter[str]:
+        """loopkit's own necessary syncs on the sampled steps, by reason (no tip for them)."""
+        return self._sampler.expected
+
+    @property
+    def sync_steps(self) -> int:
+        """Steps on which host syncs were counted."""
+        return self._sampler.steps
+
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: PrecisionLike | None = None,
+        device: DeviceLike | None = None,
+    ) -> None:
+        """Tell the doctor about the loop it measures; ``loopkit.step(doctor=...)`` calls it.
+
+        ``precision`` picks the precision tips (None: give none); ``device`` (by default
+        the model's) makes a CUDA run time its phases with CUDA events; the optimizer's
+        host-side step counters are not counted as syncs; a DDP model's all-reduces are
+        timed (see ``watch``). Call it between steps, before the first forward.
+        """
+        if self._clock.inside:
+            raise RuntimeError("attach the doctor between steps, not inside one")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        # Everything is checked before anything changes: a bad argument leaves it as it was.
+        resolved = None if precision is None else resolve_precision(precision)
+        dev = model_device(unwrap(model)) if device is None else parse_device(device)
+        self.precision, self.optimizer = resolved, optimizer
+        self._set_device(dev if dev is not None else _params_device(optimizer))
+        self.watch(model)
+
+    # -- steps and phases ---------------------------------------------------------------------
+
+    def __enter__(self) -> doctor:
+        if self._clock.inside:
+            raise RuntimeError("doctor is already inside a step: enter it once per step")
+        self._clock.begin_step()
+        self._sampler.start(self.steps + 1, self._clock.cuda, self.optimizer)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._clock.switch("")
+        self._sampler.stop()
+        self._clock.end_step()
+        if exc_type is None:
+            self.steps += 1
+            if self.report_every and self.steps % self.report_every == 0:
+                self.sink(self.report())
+
+    def phase(self, name: str) -> _Phase:
+        """Attribute the time inside ``with doc.phase(name):`` to one of PHASES."""
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}: use one of {', '.join(PHASES)}")
+        return _Phase(self._clock, name)
+
+    def count(self, samples: int | None = None, tokens: int | None = None) -> None:
+        """Add this step's samples (and tokens) to the throughput."""
+        for label, v in (("samples", samples), ("tokens", tokens)):
+            if v is not None and not is_int_at_least(v, 0):
+                raise ValueError(f"{label} must be an int >= 0, got {v!r}")
+        self.samples += samples or 0
+        self.tokens += tokens or 0
+
+    def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield the batches, timing each ``next()`` as the data wait and counting samples.
+
+        Samples are the first tensor's first dimension. Only the time inside the loader's
+        ``next()`` is a data wait; the rest of the time between two steps is "outside the
+        step".
+        """
+        if self.loader is None:
+            self.loader = iterable
+        return self._iterate(iter(iterable))
+
+    def _iterate(self, it: Iterator[T]) -> Iterator[T]:
+        self._iterated = True
+        while True:
+            previous = self._clock.switch("data")
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            finally:
+                self._clock.switch(previous)
+            self.samples += _batch_size(batch)
+            yield batch
+
+    def watch(self, model: nn.Module) -> bool:
+        """Time a DDP model's gradient all-reduces (they overlap backward); False if it cannot.
+
+        Registers DDP's default all-reduce as a comm hook with a clock around it, so it must
+        be called before the first forward and only on a model without a comm hook.
+        """
+        return _time_all_reduces(model, self._clock.seconds)
+
+    # -- the report ---------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """The numbers behind the report."""
+        seconds = self._clock.resolve()
+        # Communication overlaps backward: it is reported beside the phases, not within them.
+        total = sum(v for k, v in seconds.items() if k != "communication")
+        wall = self._clock.wall
+        n = self.sync_steps
+        return {
+            "steps": self.steps,
+            "seconds": dict(seconds),
+            "share": {k: (v / total if total else 0.0) for k, v in seconds.items()},
+            "samples_per_s": self.samples / wall if wall and self.samples else None,
+            "tokens_per_s": self.tokens / wall if wall and self.tokens else None,
+            "syncs_per_step": sum(self.syncs.values()) / n if n else None,
+            "sync_ops": dict(self.syncs),
+            "expected_syncs_per_step": {r: c / n for r, c in self.expected_syncs.items()},
+        }
+
+    def report(self) -> str:
+        """A plain-words report: throughput, phase shares, syncs, and the tips that apply."""
+        return report_text(self.stats(), self._context())
+
+    def tips(self, s: Stats | None = None) -> list[str]:
+        """The guides' advice that the measurements call for, most costly first."""
+        return tips_for(s or self.stats(), self._context())
+
+    def _context(self) -> Context:
+        workers = getattr(self.loader, "num_workers", None)
+        inner = getattr(self.loader, "loader", None)  # a loopkit EpochLoader
+        if workers is None and inner is not None:
+            workers = getattr(inner, "num_workers", None)
+        dev = self.device
+        return {
+            "precision": self.precision,
+            "device_type": None if dev is None else dev.type,
+            "iterated": self._iterated,
+            "num_workers": workers,
+            "sync_steps": self.sync_steps,
+        }
+
+    def _report_at_exit(self) -> None:
+        if self.steps:
+            self.sink(self.report())
+
+
+class _SyncSampler:
+    """Counts host syncs on the sampled steps; its tallies add up over them."""
+
+    def __init__(self, at: frozenset[int], every: int | None) -> None:
+        self.at, self.every = at, every
+        self.user: Counter[str] = Counter()
+        self.expected: Counter[str] = Counter()
+        self.steps = 0
+        self._counter: count_host_syncs | CudaSyncCounter | None = None
+
+    def start(self, number: int, cuda: bool, optimizer: torch.optim.Optimizer | None) -> None:
+        """Start counting if step ``number`` is sampled (on CUDA, the driver's sync warnings)."""
+        if not (number in self.at or (self.every and number % self.every == 0)):
+            return
+        # On CUDA the driver sees every sync; elsewhere the ops that would stall a GPU.
+        counter: count_host_syncs | CudaSyncCounter = (
+            CudaSyncCounter() if cuda else count_host_syncs(ignore=_host_resident(optimizer))
+        )
+        counter.__enter__()
+        self._counter = counter
+
+    def stop(self) -> None:
+        """Stop counting (if this step was counted) and add up what was seen."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            self.user.update(counter.user_events)
+            self.expected.update(counter.expected)
+            self.steps += 1
+
+
+def _time_all_reduces(model: nn.Module, seconds: dict[str, float]) -> bool:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = unwrap(model)
+    if not isinstance(ddp, DistributedDataParallel):
+        return False
+
+    def timed(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        start = time.perf_counter()
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            seconds["communication"] += time.perf_counter() - start
+            return fut.value()
+
+        return allreduce_hook(state, bucket).then(done)
+
+    try:
+        ddp.register_comm_hook(None, timed)
+    except RuntimeError:
+        return False  # a hook is already there, or training has started
+    return True
+
+
+def _params_device(opt: torch.optim.Optimizer | None) -> torch.device | None:
+    for group in opt.param_groups if opt is not None else ():
+        for p in group["params"]:
+            if isinstance(p, torch.Tensor):
+                return p.device
+    return None
+
+
+def _host_resident(opt: torch.optim.Optimizer | None) -> frozenset[int]:
+    # Optimizers keep their step counters on the host even in a GPU run (unless
+    # capturable) and read them with .item(): no device sync there, so not counted.
+    if opt is None:
+        return frozenset()
+    return frozenset(
+        id(v)
+        for state in opt.state.values()
+        for k, v in state.items()
+        if k == "step" and isinstance(v, torch.Tensor) and v.device.type == "cpu"
+    )
+
+
+def _batch_size(batch: object) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        return next((_batch_size(v) for v in batch.values()), 0)
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    return 0

@@ -1,0 +1,1 @@
+"""checkpointed: activation checkpointing as a decorator or applied to modules."""

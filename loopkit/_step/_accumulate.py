@@ -1,0 +1,346 @@
+"""accumulate: gradient accumulation whose update equals the large-batch update.
+
+The pieces, each in its own module: the window's state (``_window``), the normalization
+math (``_normalize``, pure functions) and the ordered update at the boundary (``_update``).
+This module is the micro-step protocol that drives them: ``with acc:``, ``acc.backward``,
+``acc.iterate``, ``acc.flush``, and the decisions at a window's end that involve other
+ranks (through ``_ranks`` and ``_parallel._grad_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .._checks import is_int_at_least
+from .._parallel._grad_sync import sync_kind, unwrap
+from .._precision import autocast_step
+from .._types import Weight
+from . import _open_steps
+from ._cross_rank import end_of_window
+from ._micro_sync import MicroStepSync
+from ._params import OptimizerParams
+from ._update import Progress, UpdateRule
+from ._weighting import Weighting
+from ._window import Window
+
+T = TypeVar("T")
+
+# optimizer -> the accumulate bound to it; catches `accumulate(...)` rebuilt every iteration.
+_BOUND: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[accumulate]] = (
+    weakref.WeakKeyDictionary()
+)
+
+def _check_binding(model: object, optimizer: object, every: object) -> None:
+    """Refuse a model, optimizer or ``every`` accumulate cannot work with, before any change."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not is_int_at_least(every, 1):
+        raise ValueError(
+            f"every must be an int >= 1 (micro-batches per optimizer update), got {every!r}"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(id(p) in model_params for p in opt_params):
+        raise ValueError(
+            "the optimizer holds none of the model's parameters: build it from "
+            "model.parameters() of this model (after wrapping it, if you wrap it)"
+        )
+    previous = _BOUND.get(optimizer)
+    old = previous() if previous is not None else None
+    if old is not None and old._window.micro > 0:
+        raise RuntimeError(
+            f"this optimizer is already bound to an accumulate that is mid-window "
+            f"({old._window.micro} of {old.every} micro-steps done); building a new one "
+            "would drop those gradients from the normalization. Build accumulate/"
+            "loopkit.step once, before the loop, and enter it on every iteration (or "
+            "flush() the old one first)"
+        )
+
+
+class accumulate(contextlib.ContextDecorator):
+    """Accumulate gradients over ``every`` micro-batches, then update once, exactly.
+
+    ``every``: micro-batches per update. Build it once before the loop; enter ``with acc:``
+    around each micro-batch's forward and backward and call ``acc.backward(loss)``
+    (``weight=`` the micro-batch's sample or token count when they differ) inside. A window
+    opens with cleared gradients; non-final micro-steps run under ``no_sync``; leaving the
+    final one makes the update (``_update.UpdateRule.apply``: unscale, normalize, clip,
+    guard, step, schedule), and an exception there drops the window as if it never
+    happened. ``skip_nonfinite=True`` skips updates whose loss or gradient norm is inf/nan
+    on any rank (one host read per update); ``max_consecutive_skips=K`` raises after K in a
+    row (fp16's start-up back-off not counted). ``acc.flush()`` (or ``for batch in
+    acc.iterate(loader)``) closes a ragged last window with exact normalization.
+    """
+
+    every: int
+    _window: Window
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        every: int = 1,
+        *,
+        scheduler: Any = None,
+        clip_grad_norm: float | None = None,
+        amp: autocast_step | None = None,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | None = None,
+    ) -> None:
+        _check_binding(model, optimizer, every)
+        kind = sync_kind(model)
+        rule = UpdateRule(
+            optimizer,
+            amp=amp,
+            clip_grad_norm=clip_grad_norm,
+            scheduler=scheduler,
+            skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+            kind=kind,
+            group=getattr(unwrap(model), "process_group", None),
+        )
+        self.model = model
+        self.optimizer = optimizer
+        self.every = every
+        self.amp = amp
+        self._rule = rule
+        self._progress = Progress()
+        self._kind = kind
+        self._sync = MicroStepSync(model, kind)
+        self._params = OptimizerParams(optimizer)
+        self._weighting = Weighting(every, kind != "none", rule.group)
+        self._window = Window()
+        # The micro-step now open (set at entry, read until exit).
+        self._inside = False
+        self._did_backward = False
+        self._ending = False
+        self._final_pending = False  # iterate handed out the last item: its micro-step ends
+        self.lookahead = 0
+        """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
+        _BOUND[optimizer] = weakref.ref(self)
+
+    # -- what a user reads ------------------------------------------------------------------
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates done."""
+        return self._progress.updates
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        self._progress.updates = value
+
+    @property
+    def skipped(self) -> int:
+        """Updates skipped for inf/nan (fp16's scaler, or ``skip_nonfinite``)."""
+        return self._progress.skipped
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Total gradient norm before clipping at the last update (a device tensor, no sync)."""
+        return self._progress.grad_norm
+
+    @property
+    def ends_window(self) -> bool:
+        """Whether the current (or, outside ``with``, the next) micro-step ends a window."""
+        if self._inside:
+            return self._ending
+        return self._window.micro + 1 >= self.every or self._final_pending
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps entered in the current window (1..every inside ``with``)."""
+        return self._window.micro
+
+    # -- the micro-step ---------------------------------------------------------------------
+
+    def __enter__(self) -> accumulate:
+        if self._inside:
+            raise RuntimeError(
+                "accumulate is already inside a micro-step: enter `with acc:` once per "
+                "micro-batch, not nested"
+            )
+        _open_steps.open_(self)  # refuses another step of this model's parameters first
+        window = self._window
+        ending = window.micro + 1 >= self.every or self._final_pending
+        if window.micro == 0:
+            # A window opens: gradients left by code outside it (another model's backward
+            # through this one, a forward/backward outside the step) must not join its update.
+            window.cleared_foreign = self._params.clear_grads()
+        self._sync.enter(ending)
+        self._final_pending = False  # the mark is for this one micro-step only
+        self._ending = ending
+        self._inside = True
+        self._did_backward = False
+        window.micro += 1
+        return self
+
+    def backward(
+        self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any
+    ) -> None:
+        """Back-propagate this micro-batch's loss, normalized for the window.
+
+        ``loss`` is the micro-batch's mean loss as usual. ``weight`` (samples or tokens in
+        the micro-batch) makes unequal micro-batches count in proportion, so the update
+        equals the one of a single batch holding all of them. Several backward calls in
+        one micro-step (two losses whose graphs should not stay alive together) add up to
+        that micro-step's contribution, normalized once; ``weight=`` belongs to the
+        micro-step, on its first call. ``inputs=``/``retain_graph=`` go to autograd.
+        """
+        if not self._inside:
+            raise RuntimeError(
+                "acc.backward(loss) must be called inside `with acc:` (it belongs to that "
+                "micro-step's window)"
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        window, first = self._window, not self._did_backward
+        self._sync.refuse_synced_forward()
+        scaled, w, reference = self._weighting.scaled(loss, weight, window, first)
+        finite = torch.isfinite(loss.detach()) if self._rule.watch_loss else None
+        if self.amp is not None:
+            self.amp.backward(scaled, **autograd)
+        else:
+            scaled.backward(**autograd)
+        # State changes only once backward has succeeded.
+        synced = not self._sync.entered
+        if first:
+            weighted = weight is not None
+            if weighted:
+                self._weighting.commit(w, reference)
+            window.add_backward(w, weighted, finite, synced)
+        else:
+            window.add_more(finite, synced)
+            self._sync.another_backward()
+        self._did_backward = True
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._sync.exit(exc_type, exc, tb)
+        finally:
+            self._inside = False
+            _open_steps.close(self)
+        if exc_type is None and self._ending:
+            self._boundary()
+
+    # -- window ends ------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Close a partial window now (after the loop); returns whether an update was made."""
+        if self._inside:
+            raise RuntimeError("flush() inside `with acc:`: call it after the micro-step ends")
+        self._final_pending = False
+        if self._window.micro == 0:
+            return False
+        return self._boundary()
+
+    def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield the items of ``iterable``, marking the last so its window closes on exit.
+
+        Looks one item ahead; a window never spans two calls (two epochs): a window left
+        open when an earlier ``iterate`` was left early (``break``, an exception) is closed
+        as a window of its own (``flush()``) before this one hands out its first item.
+        ``acc.lookahead`` is 1 while an item is held back that the loop has not seen.
+        """
+        if self._inside:
+            raise RuntimeError(
+                "iterate() inside `with acc:`: loop over acc.iterate(loader) and enter the "
+                "micro-step inside the loop"
+            )
+        return _marking_last(self, iterable)
+
+    def _boundary(self) -> bool:
+        window = self._window
+        self._sync.refuse_unreduced_end(window)  # before anything changes
+        try:
+            update, factor = end_of_window(
+                self.model, self._kind, window, self.every, self._weighting.reference,
+                self._params, self._rule.group,
+            )  # fmt: skip
+            if not update:
+                return False
+            return self._rule.apply(self._params.current(), window, factor, self._progress)
+        except BaseException:
+            # The window is dropped as if it had never happened: no unscale recorded, no
+            # inf flag, no scale update (its gradients go with the zero_grad below).
+            if self.amp is not None:
+                self.amp.discard(self.optimizer)
+            raise
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._window = Window()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters for a resumed loop; refused mid-window (the gradients are not in it)."""
+        if self._window.micro:
+            raise RuntimeError(
+                f"accumulate is mid-window ({self._window.micro} of {self.every} micro-steps): "
+                "save at a window boundary (when acc.micro_step == 0)"
+            )
+        reference = self._weighting.state()
+        return {**self._progress.state_dict(), "every": self.every, "w_ref": reference}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state.get("every") != self.every:
+            raise ValueError(
+                f"state was saved with every={state.get('every')!r} but this accumulate has "
+                f"every={self.every}: build it with the same every"
+            )
+        self._progress, self._weighting.reference = Progress.from_state(state), state.get("w_ref")
+
+    def __repr__(self) -> str:
+        return (
+            f"accumulate(every={self.every}, updates={self.updates}, skipped={self.skipped}, "
+            f"micro_step={self._window.micro})"
+        )
+
+
+def _marking_last(acc: accumulate, iterable: Iterable[T]) -> Iterator[T]:
+    """acc.iterate's generator: close a left-over window, look one item ahead, mark the last."""
+    window = acc._window
+    if window.micro:
+        if acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
+            # FSDP cannot reduce the left-over gradients by hand: the first micro-step of
+            # this pass syncs and closes that window (the one case a window spans two).
+            acc._final_pending = True
+        else:
+            acc.flush()
+    it = iter(iterable)
+    try:
+        nxt = next(it)
+    except StopIteration:
+        return
+    try:
+        while True:
+            cur = nxt
+            try:
+                nxt = next(it)
+            except StopIteration:
+                acc.lookahead = 0
+                acc._final_pending = True
+                yield cur
+                return
+            acc.lookahead = 1
+            yield cur
+    finally:
+        acc._final_pending = False
+        acc.lookahead = 0

@@ -1,0 +1,334 @@
+"""loopkit.step: the middlewares composed in one order, stated where it is implemented.
+
+The order is the numbered lines of ``step.__enter__``, ``step.backward`` and
+``step.__exit__`` (one line per middleware); the README's list is the same order in words.
+Each piece keeps the semantics it has alone; a disabled piece is not entered at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .._checks import is_int_at_least
+from .._data._to_device import Mover
+from .._devices import model_device, resolve_device, same_device
+from .._logging import _detach
+from .._observe import _doctor
+from .._parallel._grad_sync import no_sync, sync_kind, unwrap
+from .._precision import autocast_step
+from .._types import DeviceLike, PrecisionLike, Weight
+from . import _accumulate
+
+T = TypeVar("T")
+
+
+class step(contextlib.ContextDecorator):
+    """One reusable context manager per training loop: ``with step as s: ...; s.backward(loss)``.
+
+    Build it once, before the loop, and enter it once per micro-batch (or decorate the
+    micro-step function with ``@step``). ``precision`` (``"bf16"``, ``"fp16"``,
+    ``"fp32"``), ``accumulate=N`` micro-batches per update (with ``no_sync`` under DDP and
+    exact normalization), ``clip_grad_norm``, ``scheduler`` (stepped once per real update),
+    ``device`` for ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an
+    int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
+    guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
+    ``frozen=[D]``: modules this step trains through but not (a GAN's discriminator in the
+    generator's step): inside each micro-step their parameters get no gradient and a DDP
+    one does not all-reduce; ``requires_grad`` is restored on exit, whatever happens.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        precision: PrecisionLike = "fp32",
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        scheduler: Any = None,
+        device: DeviceLike | None = None,
+        log: _detach.detach_logging | int | None = None,
+        non_blocking: bool | None = None,
+        uint8_to: torch.dtype | None = None,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        channels_last: bool = False,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | None = None,
+        doctor: _doctor.doctor | None = None,
+        frozen: Sequence[nn.Module] = (),
+    ) -> None:
+        # Everything is checked before anything is built or bound.
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if doctor is not None and not isinstance(doctor, _doctor.doctor):
+            raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
+        self._frozen = _Frozen(frozen, optimizer)
+        here = model_device(unwrap(model))
+        target = here if device is None else resolve_device(device)
+        if here is not None and target is not None and not same_device(here, target):
+            raise ValueError(
+                f"the model is on {here} but device={str(target)!r}: move the model "
+                f"first (model.to({str(target)!r})), then build the step"
+            )
+        self.device: torch.device = target if target is not None else torch.device("cpu")
+        self.amp = autocast_step(precision, device_type=self.device.type)
+        self.log: _detach.detach_logging | None = _make_log(log)
+        self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
+        self.accumulator = _accumulate.accumulate(
+            model,
+            optimizer,
+            accumulate,
+            scheduler=scheduler,
+            clip_grad_norm=clip_grad_norm,
+            amp=self.amp if self.amp.precision != "fp32" else None,
+            skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+        )
+        """The ``loopkit.accumulate`` this step drives (windows, update, counters)."""
+        self.doctor = doctor
+        if doctor is not None:
+            doctor.attach(model, optimizer, precision=self.amp.precision, device=self.device)
+        self.model = model
+        self.optimizer = optimizer
+        self._autocast_on = self.amp.precision != "fp32"
+        self._in_autocast = False
+        self._loss: torch.Tensor | None = None
+        self._extra: dict[str, Any] = {}
+
+    # -- the micro-step: the composition order, one line per middleware ----------------------
+
+    def __enter__(self) -> step:
+        doc = self.doctor
+        # 1. doctor: the step's clock starts (the batch was moved by `iterate`/`to_device`).
+        if doc is not None:
+            doc.__enter__()
+        # 2. accumulate: the micro-step opens (a window's first clears the gradients); a
+        #    non-final one enters no_sync before the forward, where DDP decides to all-reduce.
+        try:
+            self.accumulator.__enter__()
+        except BaseException as err:
+            if doc is not None:  # nothing of this micro-step stays entered
+                doc.__exit__(type(err), err, err.__traceback__)
+            raise
+        # 3. frozen modules: no gradient, no all-reduce, until the micro-step ends.
+        self._frozen.freeze()
+        # 4. autocast_step: the forward runs under autocast (not entered for fp32).
+        if self._autocast_on:
+            self.amp.__enter__()
+            self._in_autocast = True
+        return self
+
+    def backward(
+        self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any
+    ) -> None:
+        """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate).
+
+        Call it several times in one micro-step to back-propagate several losses one at a
+        time; ``inputs=``/``retain_graph=`` go to autograd.
+        """
+        # 5. autocast ends before backward, as torch recommends (backward ops take the
+        #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
+        if self._in_autocast:
+            self._in_autocast = False
+            self.amp.__exit__(None, None, None)
+        self.accumulator.backward(loss, weight, **autograd)
+        if self.log is not None:
+            detached = loss.detach()
+            self._loss = detached if self._loss is None else self._loss + detached
+
+    def log_metrics(self, **metrics: torch.Tensor | float) -> None:
+        """Add metrics to this micro-step's log record (needs ``log=``)."""
+        if self.log is None:
+            raise RuntimeError("this step has no log: build it with log=N or log=detach_logging()")
+        self._extra.update(metrics)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        doc = self.doctor
+        # This micro-step's record is taken out first: whatever fails below, nothing of it
+        # is left to be logged under the next micro-step.
+        loss, extra = self._loss, self._extra
+        self._loss, self._extra = None, {}
+        try:
+            try:
+                # 6. autocast_step exits if backward did not already leave it.
+                if self._in_autocast:
+                    self._in_autocast = False
+                    self.amp.__exit__(exc_type, exc, tb)
+            finally:
+                # 7. frozen modules get their requires_grad and gradient sync back.
+                try:
+                    self._frozen.thaw()
+                finally:
+                    # 8. accumulate closes the micro-step; on a window's last, the update.
+                    with _phase(doc, "optimizer" if self.accumulator.ends_window else None):
+                        self.accumulator.__exit__(exc_type, exc, tb)
+            # 9. detach_logging records the detached loss and metrics (never of a failure).
+            log = self.log
+            if log is not None and exc_type is None:
+                if loss is not None:
+                    extra["loss"] = loss
+                if extra:
+                    with _phase(doc, "logging"):
+                        log.record(extra)
+        finally:
+            # 10. doctor: the step's clock stops.
+            if doc is not None:
+                doc.__exit__(exc_type, exc, tb)
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def to_device(self, batch: T) -> T:
+        """Move a batch to the step's device with its transfer options."""
+        return self._mover.move(batch)
+
+    def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield the batches moved to the device; the last closes its window on exit.
+
+        Looking one batch ahead also starts the next batch's (non-blocking) copy while the
+        current one computes.
+        """
+        doc = self.doctor
+        if doc is None:
+            return self.accumulator.iterate(self._mover(b) for b in iterable)
+        return self.accumulator.iterate(self._timed_moves(doc, doc.iterate(iterable)))
+
+    def _timed_moves(self, doc: _doctor.doctor, batches: Iterable[T]) -> Iterator[T]:
+        for b in batches:
+            with doc.phase("h2d"):
+                moved = self._mover(b)
+            yield moved
+
+    def flush(self) -> bool:
+        """Close a partial window (after a loop that did not use ``iterate``) and the log."""
+        stepped = self.accumulator.flush()
+        if self.log is not None:
+            self.log.flush()
+        return stepped
+
+    # -- what a user reads ----------------------------------------------------------------
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates done."""
+        return self.accumulator.updates
+
+    @property
+    def skipped(self) -> int:
+        """Updates skipped on inf/nan (fp16)."""
+        return self.accumulator.skipped
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Gradient norm before clipping at the last update (device tensor; needs clipping)."""
+        return self.accumulator.grad_norm
+
+    @property
+    def ends_window(self) -> bool:
+        """Whether this micro-step ends an accumulation window (an update follows)."""
+        return self.accumulator.ends_window
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps entered in the current window (0 between windows)."""
+        return self.accumulator.micro_step
+
+    @property
+    def accumulate(self) -> _accumulate.accumulate:
+        """Deprecated name of ``step.accumulator``."""
+        warnings.warn(
+            "step.accumulate is deprecated: use step.accumulator (the attribute no longer "
+            "shares its name with the accumulate= count)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.accumulator
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the GradScaler state, for a checkpoint taken between windows."""
+        return {"accumulate": self.accumulator.state_dict(), "amp": self.amp.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.accumulator.load_state_dict(state["accumulate"])
+        self.amp.load_state_dict(state["amp"])
+
+    def __repr__(self) -> str:
+        return (
+            f"loopkit.step(precision={self.amp.precision!r}, "
+            f"accumulate={self.accumulator.every}, device={str(self.device)!r})"
+        )
+
+
+class _Frozen:
+    """Modules a step trains through but does not update, frozen for each micro-step."""
+
+    def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(modules, nn.Module) or not all(isinstance(m, nn.Module) for m in modules):
+            raise TypeError(
+                "frozen must be a list of nn.Modules, e.g. frozen=[discriminator], got "
+                f"{modules!r}"
+            )
+        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        clash = [p for p in params if id(p) in own]
+        if clash:
+            raise ValueError(
+                f"frozen modules hold {len(clash)} parameter(s) this step's optimizer updates: "
+                "a step cannot freeze what it trains; freeze only the other model's modules"
+            )
+        self.params = params
+        self._syncs = [no_sync(m) for m in modules if sync_kind(m) != "none"]
+        self._saved: list[bool] | None = None
+
+    def freeze(self) -> None:
+        if not self.params:
+            return
+        self._saved = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(False)
+        for s in self._syncs:  # a frozen DDP model's forward must not prepare a reduction
+            s.__enter__()
+
+    def thaw(self) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        try:
+            for s in reversed(self._syncs):
+                s.__exit__(None, None, None)
+        finally:
+            for p, flag in zip(self.params, saved, strict=True):
+                p.requires_grad_(flag)
+
+
+_NOTHING = contextlib.nullcontext()  # reusable: no allocation per micro-step
+
+
+def _phase(doc: _doctor.doctor | None, name: str | None) -> contextlib.AbstractContextManager[Any]:
+    """The doctor's phase ``name``, or nothing (no doctor, or no phase to name)."""
+    if doc is None or name is None:
+        return _NOTHING
+    return doc.phase(name)
+
+
+def _make_log(log: _detach.detach_logging | int | None) -> _detach.detach_logging | None:
+    if log is None or isinstance(log, _detach.detach_logging):
+        return log
+    if not is_int_at_least(log, 1):
+        raise ValueError(
+            f"log must be a loopkit.detach_logging, an int >= 1 (print every that many "
+            f"micro-steps) or None, got {log!r}"
+        )
+    return _detach.detach_logging(every=log)  # prints: print_sink is the default

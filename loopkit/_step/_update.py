@@ -1,0 +1,225 @@
+"""The update at a window's boundary, as one ordered sequence, and what it counts.
+
+``UpdateRule`` holds one accumulate's fixed settings (optimizer, precision, clipping,
+scheduler, the non-finite guard) and validates them on construction; ``apply`` is the
+sequence itself: unscale, normalize, clip, guard, step, count, schedule.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import _ranks
+from .._checks import is_int_at_least
+from .._precision import agree_found_inf, autocast_step, mark_found_inf
+from .._sync_points import expected_sync
+from .._types import SyncKind
+from ._window import Window
+
+
+class Progress:
+    """What a user reads: updates made and skipped, the skip run, the last gradient norm."""
+
+    __slots__ = ("consecutive_skips", "grad_norm", "skipped", "updates")
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.skipped = 0
+        self.consecutive_skips = 0
+        self.grad_norm: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters a resumed loop continues from."""
+        return {
+            "updates": self.updates,
+            "skipped": self.skipped,
+            "consecutive_skips": self.consecutive_skips,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Progress:
+        """The counters ``state_dict`` saved."""
+        progress = cls()
+        progress.updates = int(state["updates"])
+        progress.skipped = int(state["skipped"])
+        progress.consecutive_skips = int(state.get("consecutive_skips", 0))
+        return progress
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler that cannot be stepped once per update with no argument."""
+    if scheduler is None:
+        return
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise TypeError(
+            f"scheduler must have a step() method (a torch.optim.lr_scheduler), got "
+            f"{type(scheduler).__name__}"
+        )
+    try:
+        params = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        params = []
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if required:
+        raise TypeError(
+            f"{type(scheduler).__name__}.step() needs {', '.join(required)}: it cannot be stepped "
+            "after each update. Step it yourself where the value is known (for "
+            "ReduceLROnPlateau, scheduler.step(val_loss) after validation) and do not pass it here"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            "scheduler is bound to a different optimizer than the one accumulate steps: "
+            "build it on this optimizer"
+        )
+
+
+class UpdateRule:
+    """How one optimizer is updated at a window boundary (settings checked on construction)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        amp: autocast_step | None,
+        clip_grad_norm: float | None,
+        scheduler: Any,
+        skip_nonfinite: bool,
+        max_consecutive_skips: int | None,
+        kind: SyncKind,
+        group: Any,
+    ) -> None:
+        if clip_grad_norm is not None and (
+            isinstance(clip_grad_norm, bool)
+            or not isinstance(clip_grad_norm, (int, float))
+            or not math.isfinite(clip_grad_norm)
+            or clip_grad_norm <= 0
+        ):
+            raise ValueError(
+                f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}"
+            )
+        check_scheduler(scheduler, optimizer)
+        if amp is not None and not isinstance(amp, autocast_step):
+            raise TypeError(
+                f"amp must be a loopkit.autocast_step (it carries the fp16 GradScaler), got "
+                f"{type(amp).__name__}"
+            )
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+        if max_consecutive_skips is not None and not is_int_at_least(max_consecutive_skips, 1):
+            raise ValueError(
+                "max_consecutive_skips must be an int >= 1 (raise after that many skipped "
+                f"updates in a row) or None, got {max_consecutive_skips!r}"
+            )
+        self.optimizer = optimizer
+        self.amp = amp
+        self.fp16 = amp is not None and amp.scaler is not None
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.scheduler = scheduler
+        self.skip_nonfinite = skip_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.kind: SyncKind = kind
+        self.group = group
+        # Losses are checked on the device (no sync) when a decision needs them.
+        self.watch_loss = skip_nonfinite or (self.fp16 and max_consecutive_skips is not None)
+
+    def apply(
+        self, params: list[torch.Tensor], window: Window, factor: Any, progress: Progress
+    ) -> bool:
+        """The update, in order; returns whether the optimizer stepped."""
+        opt, amp = self.optimizer, self.amp
+        # 1. fp16: unscale, so that clipping and the guard see true gradients.
+        if amp is not None and self.fp16:
+            amp.unscale_(opt)
+        # 2. Normalize once, for the whole window.
+        if factor is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                if isinstance(factor, torch.Tensor):
+                    factor = factor.to(grads[0].device)
+                torch._foreach_mul_(grads, factor)
+        # 3. Clip. Returns a device tensor: no host sync (non-finite norms are left to the
+        #    fp16 skip or the non-finite guard, not raised).
+        if self.clip_grad_norm is not None:
+            progress.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        # 4. Guard and step: fp16's scaler skips inf/nan by itself, the guard does for
+        #    bf16/fp32; both decide alike on every rank.
+        if amp is not None and amp.scaler is not None:
+            if self.kind == "fsdp1":
+                # Each rank holds a shard: its inf flag covers only that shard. (FSDP2's
+                # DTensor gradients need nothing: DTensor's unscale takes the max over the mesh.)
+                agree_found_inf(amp.scaler, opt, self.group)
+            if self.skip_nonfinite:
+                # A non-finite loss with finite gradients (on any rank) joins the scaler's flag.
+                mark_found_inf(amp.scaler, opt, self.loss_bad(window))
+            stepped = amp.step(opt)
+        elif self.skip_nonfinite and not self._finite(params, window, progress):
+            stepped = False
+        else:
+            opt.step()
+            stepped = True
+        # 5. Count, and step the scheduler only for a real update.
+        if stepped:
+            progress.updates += 1
+            progress.consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+            return True
+        progress.skipped += 1
+        if self._skip_counts(window):
+            progress.consecutive_skips += 1
+        limit = self.max_consecutive_skips
+        if limit is not None and progress.consecutive_skips >= limit:
+            raise RuntimeError(
+                f"{progress.consecutive_skips} updates in a row were skipped for a non-finite "
+                "loss or gradient: training has diverged. Lower the learning rate, check the "
+                "data, or resume from an earlier checkpoint"
+            )
+        return False
+
+    def loss_bad(self, window: Window) -> torch.Tensor:
+        """A 0-d bool, the same on every rank: whether any rank's window had a non-finite loss.
+
+        A collective under DDP/FSDP (every rank calls it: the settings that ask for it are
+        the same everywhere); no host sync.
+        """
+        bad = torch.zeros((), dtype=torch.bool)
+        if window.loss_finite is not None:
+            bad = window.loss_finite.logical_not()
+        return _ranks.any_(bad, self.group) if self.kind != "none" else bad
+
+    def _finite(self, params: list[torch.Tensor], window: Window, progress: Progress) -> bool:
+        norm = progress.grad_norm if self.clip_grad_norm is not None else None
+        if norm is None:
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        # The norm is the same on every rank, its loss is not: a non-finite loss on one rank
+        # skips the update everywhere.
+        ok = torch.isfinite(norm) & ~self.loss_bad(window).to(norm.device)
+        # Host-device sync, once per update and only with skip_nonfinite: whether to step
+        # is a host decision, and no weight may see a non-finite update.
+        with expected_sync("skip_nonfinite's check"):
+            return bool(ok.item())
+
+    def _skip_counts(self, window: Window) -> bool:
+        """Whether a skipped update counts toward ``max_consecutive_skips``."""
+        amp = self.amp
+        if amp is None or amp.scaler is None or self.max_consecutive_skips is None:
+            return True
+        # GradScaler halves its scale on overflow until the scaled gradients fit: such
+        # skips are calibration, not divergence. A skip counts when a loss was non-finite
+        # (on any rank), or when the scale has no room left to back off.
+        bad = self.loss_bad(window)
+        with expected_sync("max_consecutive_skips' check"):
+            # Host-device syncs (the flag, the scale), only on a skipped fp16 update with a
+            # skip limit.
+            return bool(bad.item()) or amp.scaler.get_scale() <= 1.0

@@ -1,0 +1,178 @@
+"""Resume after SIGKILL: ten kills, each resumed, end at the uninterrupted run's weights.
+
+examples/train_resumable.py is killed at random moments (after a save, so mid-window or at
+a boundary) and, three times, in the middle of writing a checkpoint; each time it is
+started again and resumes. The final weights are compared bit for bit with an
+uninterrupted run. With --augment the data set draws from python's, numpy's and torch's
+RNGs in __getitem__ and the loss is weighted by a random number of valid tokens; the
+restarts then alternate the number of loader workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, launch_env
+
+import loopkit
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# A save every 2 updates: enough saves to kill 10 times after one; the payload makes saves
+# slow enough (tens of ms with fsync) to be caught in the middle.
+EXAMPLE = ["examples/train_resumable.py", "--save-every", "2", "--payload-mb", "16"]
+
+
+def _names(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("ckpt-*.pt")}
+
+
+def _all_checkpoints_readable(directory: Path) -> None:
+    for path in sorted(directory.glob("ckpt-*.pt")):
+        loopkit.load_checkpoint(path)  # raises if any finished checkpoint is unreadable
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
+    """Start a run; its stdout lines are collected by a thread as they come."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=launch_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        lines.extend(iter(proc.stdout.readline, ""))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return proc, lines, reader
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a lost node would.
+
+    torchrun starts its workers in sessions of their own, so killing its process group
+    alone would leave them training on.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # Fields after the command name (which may hold spaces): state, ppid, ...
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def _kill_ten_times(
+    tmp_path: Path, command: Callable[[int], list[str]], seed: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The uninterrupted run's weights, and those of a run killed 10 times and resumed."""
+    ref = tmp_path / "ref.pt"
+    _run([*command(-1), "--dir", str(tmp_path / "ref_run"), "--out", str(ref)])
+    run_dir = tmp_path / "run"
+    rng = random.Random(seed)
+    mid_save, resumed = 0, 0
+    for kill in range(10):
+        known = _names(run_dir)
+        # A killed save leaves its temporary until the next run cleans it up: only a new
+        # one is this run's save in progress.
+        stale = set(run_dir.glob(".ckpt-*.tmp-*"))
+
+        def saving(stale: set[Path] = stale) -> bool:
+            return bool(set(run_dir.glob(".ckpt-*.tmp-*")) - stale)
+
+        proc, lines, reader = _start([*command(kill), "--dir", str(run_dir)])
+        during_save = kill % 3 == 1  # kills 1, 4, 7: while a save is being written
+        # The others: a random moment after the run has made its first save.
+        extra = rng.uniform(0.0, 0.15)
+        deadline = time.monotonic() + 180
+        saved_at = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            if during_save and saving():
+                break
+            if not during_save and saved_at is None and _names(run_dir) - known:
+                saved_at = time.monotonic()
+            if saved_at is not None and time.monotonic() > saved_at + extra:
+                break
+            time.sleep(0.001)
+        if proc.poll() is not None:
+            pytest.fail(f"the run finished after only {kill} kills: make it longer")
+        _kill_tree(proc.pid)
+        proc.wait(timeout=60)
+        reader.join(timeout=60)  # what the run printed before it died
+        mid_save += during_save and saving()
+        resumed += any("resumed from" in x for x in lines)
+        _all_checkpoints_readable(run_dir)  # never a corrupt checkpoint on disk
+    final = tmp_path / "final.pt"
+    _run([*command(10), "--dir", str(run_dir), "--out", str(final)])
+    assert mid_save == 3, "a kill meant for the middle of a save missed it"
+    assert resumed == 9  # every run after the first continued from a checkpoint
+    assert not list(run_dir.glob(".ckpt-*.tmp*"))  # leftovers of the killed saves are gone
+    assert len(list(run_dir.glob("ckpt-*.pt"))) == 2  # keep=2
+    return torch.load(ref, weights_only=True), torch.load(final, weights_only=True)
+
+
+def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_path: Path) -> None:
+    """Killed 10 times (3 of them mid-save) and resumed each time: the uninterrupted weights."""
+    cmd = [sys.executable, *EXAMPLE, "--epochs", "6", "--precision", precision]
+    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, f"kills-{precision}")
+    assert _bit_equal(ref, final)
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+def test_random_augmentation_resumes_bit_identically_whatever_the_workers(tmp_path: Path) -> None:
+    """fp16, weight= valid tokens, checkpointed dropout blocks, a data set that draws from
+    random, numpy and torch; each restart switches between 0 and 2 loader workers."""
+    cmd = [sys.executable, *EXAMPLE, "--epochs", "6", "--precision", "fp16", "--augment",
+           "--checkpointed"]  # fmt: skip
+
+    def command(kill: int) -> list[str]:
+        # The uninterrupted run uses 2 workers; the killed one starts with 0 and alternates.
+        return [*cmd, "--workers", "2" if kill == -1 or kill % 2 else "0"]
+
+    ref, final = _kill_ten_times(tmp_path, command, "kills-augment")
+    assert _bit_equal(ref, final)
+
+
+def test_random_augmentation_under_torchrun_resumes_bit_identically(tmp_path: Path) -> None:
+    """Two ranks (DistributedSampler shards), augmenting data, 1 worker each: the same."""
+    cmd = [*TORCHRUN, *EXAMPLE, "--epochs", "12", "--precision", "bf16", "--augment",
+           "--workers", "1"]  # fmt: skip
+    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-torchrun")
+    assert _bit_equal(ref, final)

@@ -1,0 +1,212 @@
+"""evaluate: sample-weighted means, eval mode and RNG put back, one host read, DDP untouched.
+
+The 2-process case (7 samples, batch 2: bit-identical sums) is in test_evaluate_ddp.py.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+from loopkit._control._evaluate import real_samples
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def per_sample(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    x, y = batch
+    out = model(x)
+    return {"loss": (out.float() - y).pow(2).mean(1), "big": (out.float() > 0).float()[:, 0]}
+
+
+def _data(n: int = 7) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def test_real_samples_partition_the_data_set() -> None:
+    """DistributedSampler's real (unpadded) samples per rank add up to the data set."""
+    for n in range(1, 30):
+        for world in range(1, 6):
+            counts = [real_samples(r, world, n) for r in range(world)]
+            assert sum(counts) == n and max(counts) - min(counts) <= 1
+
+
+def test_sample_weighted_means_of_uneven_batches() -> None:
+    """Batches of 3, 3, 1: the mean over samples, not over batch means; sums in float64."""
+    model = nn.Linear(4, 1)
+    data = _data()
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    result = loopkit.evaluate(model, loader, per_sample, precision="fp32")
+    with torch.no_grad():
+        full = per_sample(model, data.tensors)
+        batch_means = [per_sample(model, b)["loss"].mean().item() for b in loader]
+    assert result.samples == 7
+    assert result["loss"] == pytest.approx(full["loss"].double().mean().item(), rel=1e-6)
+    assert result.sums["big"] == full["big"].sum().item()
+    assert abs(result["loss"] - sum(batch_means) / 3) > 1e-3  # what a naive mean would say
+
+
+def test_modes_and_rng_are_put_back_and_inference_mode_is_on() -> None:
+    """Mixed train/eval submodules come back as they were; the RNGs draw as if it never ran."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    model.train()
+    model[2].eval()  # a frozen BatchNorm, as fine-tuning code keeps it
+    seen: list[Any] = []
+
+    def fn(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        seen.append((torch.is_inference_mode_enabled(), [s.training for s in m.modules()]))
+        torch.rand(3), random.random(), np.random.rand()  # an fn that draws
+        return per_sample(m, batch)
+
+    state = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    loopkit.evaluate(model, torch.utils.data.DataLoader(_data(), batch_size=4), fn)
+    assert all(on and not any(modes) for on, modes in seen) and len(seen) == 2
+    assert [m.training for m in model.modules()] == [True, True, True, False, True]
+    assert torch.equal(torch.get_rng_state(), state[0]) and random.getstate() == state[1]
+    assert np.array_equal(np.random.get_state()[1], state[2])
+
+
+def test_an_error_in_fn_still_puts_the_modes_back() -> None:
+    """fn raising on the second batch: the error propagates, the model is in train mode."""
+    model = nn.Linear(4, 1)
+    calls = []
+
+    def fn(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("label")
+        return per_sample(m, batch)
+
+    with pytest.raises(KeyError, match="label"):
+        loopkit.evaluate(model, torch.utils.data.DataLoader(_data(), batch_size=4), fn)
+    assert model.training
+
+
+def test_one_host_read_per_call() -> None:
+    """However many batches: one read of the sums, filed as evaluate's own."""
+    model = nn.Linear(4, 1)
+    data = _data(20).tensors
+    batches = [(data[0][i : i + 3], data[1][i : i + 3]) for i in range(0, 20, 3)]
+    with loopkit.count_host_syncs() as syncs:
+        loopkit.evaluate(model, batches, per_sample)
+    assert syncs.count == 1 and syncs.expected == {"evaluate's result": 1}
+
+
+def test_the_steps_autocast_and_device() -> None:
+    """step= a bf16 step: the forward runs under bf16 autocast."""
+    model = nn.Linear(4, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    dtypes = []
+
+    def fn(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        out = m(batch[0])
+        dtypes.append(out.dtype)
+        return {"loss": (out.float() - batch[1]).pow(2).mean(1)}
+
+    loopkit.evaluate(model, torch.utils.data.DataLoader(_data(), batch_size=4), fn, step=step)
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+
+
+def test_ddp_is_unwrapped(process_group: None) -> None:
+    """A DDP model's own forward (reducer, buffer broadcast) never runs; its module's does."""
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 1), nn.BatchNorm1d(1)))
+    calls = []
+    ddp.register_forward_pre_hook(lambda *a: calls.append("ddp"))
+    ddp.module.register_forward_pre_hook(lambda *a: calls.append("inner"))
+    loader = torch.utils.data.DataLoader(_data(), batch_size=4)
+    loopkit.evaluate(ddp, loader, per_sample)
+    assert calls == ["inner", "inner"]
+    del ddp
+
+
+def test_a_distributed_loader_is_left_where_it_was() -> None:
+    """A loopkit loader is evaluated whole without moving its epoch; mid-pass it is refused."""
+    model = nn.Linear(4, 1)
+    loader = distributed.loader(_data(), batch_size=2, shuffle=False, num_workers=0)
+    result = loopkit.evaluate(model, loader, per_sample)
+    assert result.samples == 7 and loader.epoch == 0
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match="middle of a pass"):
+        loopkit.evaluate(model, loader, per_sample)
+
+
+@pytest.mark.parametrize(
+    ("fn", "loader_kw", "error", "says"),
+    [
+        (lambda m, b: {"loss": (m(b[0]) - b[1]).pow(2).mean()}, {}, ValueError, "per sample"),
+        (lambda m, b: (m(b[0]) - b[1]).pow(2).mean(1), {}, TypeError, "dict"),
+        (lambda m, b: {"a": m(b[0])[:, 0], "b": m(b[0])[:1, 0]}, {}, ValueError, "lengths"),
+        (per_sample, {"drop_last": True}, ValueError, "drop_last"),
+    ],
+)
+def test_refusals(fn: Any, loader_kw: dict[str, Any], error: type[Exception], says: str) -> None:
+    """Per-batch scalars, a bare tensor, ragged values or a loader that drops: refused."""
+    model = nn.Linear(4, 1)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=3, **loader_kw)
+    with pytest.raises(error, match=says):
+        loopkit.evaluate(model, loader, fn)
+    assert model.training
+
+
+def test_bad_arguments() -> None:
+    """step= with precision=, an empty loader, a non-module: named."""
+    model = nn.Linear(4, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = torch.utils.data.DataLoader(_data(), batch_size=3)
+    with pytest.raises(TypeError, match="not both"):
+        loopkit.evaluate(model, loader, per_sample, step=step, precision="bf16")
+    with pytest.raises(ValueError, match="no batch"):
+        loopkit.evaluate(model, [], per_sample)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        loopkit.evaluate(per_sample, loader, per_sample)  # type: ignore[arg-type]
+
+
+def test_an_out_of_order_loader_is_refused(process_group: None) -> None:
+    """in_order=False hands batches out of order: the padded duplicates could not be found."""
+    data = _data()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler, num_workers=1,
+                                         in_order=False)  # fmt: skip
+    with pytest.raises(ValueError, match="in_order=True"):
+        loopkit.evaluate(nn.Linear(4, 1), loader, per_sample)
+
+
+class Merging(nn.Linear):
+    """A module whose train() does something (as LoRA merges and unmerges its weights)."""
+
+    calls: ClassVar[list[bool]] = []
+
+    def train(self, mode: bool = True) -> Merging:
+        Merging.calls.append(mode)
+        return super().train(mode)
+
+
+def test_modes_are_put_back_through_train() -> None:
+    """After evaluate, train(True) was called again on a module whose train() has effects."""
+    model = nn.Sequential(Merging(4, 1))
+    model.train()
+    Merging.calls.clear()
+    loopkit.evaluate(model, torch.utils.data.DataLoader(_data(), batch_size=4), per_sample)
+    assert Merging.calls == [False, True] and model[0].training
+
+
+def test_non_finite_values_give_nan_or_inf_not_an_error() -> None:
+    """inf and -inf among the values: the sum is nan (as a plain sum says), no exception."""
+    def fn(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        v = torch.zeros(len(batch[0]), dtype=torch.float64)
+        v[0] = float("inf") if batch[1][0, 0] > 0 else -float("inf")
+        return {"v": v}
+
+    batches = [(torch.ones(2, 4), torch.ones(2, 1)), (torch.ones(2, 4), -torch.ones(2, 1))]
+    result = loopkit.evaluate(nn.Linear(4, 1), batches, fn)
+    assert result.sums["v"] != result.sums["v"]  # nan
