@@ -52,7 +52,9 @@ def flipped(x: torch.Tensor, y: torch.Tensor, flip: torch.Tensor) -> tuple[torch
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", help="cache directory (default: /dev/shm/loopkit-preload)")
+    parser.add_argument(
+        "--cache", help="cache directory (default: /dev/shm/loopkit-preload-<uid>, private to you)"
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args(argv)

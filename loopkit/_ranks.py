@@ -9,6 +9,7 @@ single-process code calls them unconditionally.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -94,6 +95,24 @@ def gather_rows(local: torch.Tensor, group: Group = None) -> torch.Tensor:
     return out.view(world_size, -1)
 
 
+def broadcast_(tensors: list[torch.Tensor], group: Group = None) -> None:
+    """Overwrite each of ``tensors`` in place with the group's first rank's (no host read).
+
+    Every rank passes tensors of the same shapes and dtypes, in the same order (callers
+    make sure of it first). Not distributed: nothing changes.
+    """
+    if not is_multi_rank(group):
+        return
+    device = comm_device(group)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in tensors:
+            sent = t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
+            dist.broadcast(sent, src=src, group=group)
+            if sent is not t:
+                t.copy_(sent)
+
+
 def gather_objects(obj: Any, group: Group = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (a host-level exchange)."""
     if not is_multi_rank(group):
@@ -107,3 +126,41 @@ def barrier(group: Group = None) -> None:
     """Wait until every rank of ``group`` gets here."""
     if is_multi_rank(group):
         dist.barrier(group=group)
+
+
+def _store() -> Any:
+    # The default group's key-value store (torchrun's TCPStore): ranks leave notes there
+    # without a collective. torch has no public getter for it; this one has been stable
+    # since torch 1.x.
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def post(key: str, value: str) -> None:
+    """Leave ``value`` under ``key`` for any rank to read (no collective, no timeout)."""
+    if is_multi_rank():
+        _store().set(f"loopkit/{key}", value)
+
+
+def read_post(key: str) -> str | None:
+    """What was posted under ``key``, or None if nothing yet (does not wait)."""
+    store = _store()
+    if not store.check([f"loopkit/{key}"]):
+        return None
+    return bytes(store.get(f"loopkit/{key}")).decode()
+
+
+def wait_posts(keys: list[str], poll_s: float = 1.0) -> list[str]:
+    """The values posted under ``keys``, once all are there, however long that takes.
+
+    Unlike a collective, which the process group's timeout bounds, this waits for work of
+    any length (a cache build); a rank that dies is handled by torchrun, which ends the job.
+    """
+    store = _store()
+    full = [f"loopkit/{k}" for k in keys]
+    delay = 0.01
+    while not store.check(full):
+        time.sleep(delay)
+        delay = min(delay * 1.5, poll_s)
+    return [bytes(store.get(k)).decode() for k in full]

@@ -14,11 +14,6 @@ from loopkit import distributed
 
 torch.set_num_threads(1)
 
-requires_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU: none on this machine"
-)
-
-
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

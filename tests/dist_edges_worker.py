@@ -427,5 +427,307 @@ def forward_outside_a_non_final_micro_step_is_refused(info: distributed.DistInfo
     return {"error": ""}
 
 
+# -- by-hand reduction against DDP's own, several backward passes, the group's edges -----------
+
+
+def _ddp_with_hook(model: nn.Module, hook: str) -> Any:
+    """DDP with one comm hook: none, a Python one, a built-in C++ one, or PowerSGD."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    net: Any = nn.parallel.DistributedDataParallel(model)
+    if hook.startswith("builtin:"):
+        net._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook[8:]))
+    elif hook == "bf16_compress_hook":
+        # DDP refuses this hook by its name off CUDA/NCCL; gloo reduces bfloat16 all the same.
+        def bf16(state, bucket):  # type: ignore[no-untyped-def]
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        net.register_comm_hook(None, bf16)
+    elif hook == "powerSGD":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=1,
+            min_compression_rate=0.5, use_error_feedback=False, warm_start=False,
+        )  # fmt: skip
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook != "none":
+        net.register_comm_hook(None, getattr(default_hooks, hook))
+    return net
+
+
+HOOKS = ("none", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+         "builtin:ALLREDUCE", "builtin:FP16_COMPRESS", "powerSGD")  # fmt: skip
+
+
+@scenario
+def by_hand_sync_equals_ddps_own_for_every_comm_hook(info: distributed.DistInfo) -> dict[str, Any]:
+    """sync_grads_now after a no_sync backward gives DDP's synced gradients, bit for bit."""
+    from loopkit._parallel._grad_sync import sync_grads_now
+
+    g = torch.Generator().manual_seed(110 + info.rank)
+    xs = [torch.randn(5, 6, generator=g) for _ in range(3)]
+    found: dict[str, list[float]] = {}
+    for hook in HOOKS:
+        # PowerSGD compresses each matrix with its own random start: one matrix, so DDP's
+        # bucket rebuild (after its first synced backward) cannot reorder them.
+        build = (lambda: nn.Linear(6, 5, bias=False)) if hook == "powerSGD" else mlp
+        torch.manual_seed(0)
+        synced = _ddp_with_hook(build(), hook)
+        torch.manual_seed(0)
+        by_hand = _ddp_with_hook(build(), hook)
+        diffs = []
+        for x in xs:  # PowerSGD: the first round all-reduces, the next two compress
+            synced(x).pow(2).mean().backward()
+            with loopkit.no_sync(by_hand):
+                by_hand(x).pow(2).mean().backward()
+            sync_grads_now(by_hand)
+            pairs = zip(synced.parameters(), by_hand.parameters(), strict=True)
+            diffs.append(max((a.grad - b.grad).abs().max().item() for a, b in pairs))
+            for p in [*synced.parameters(), *by_hand.parameters()]:
+                p.grad = None
+        found[hook] = diffs
+    return found
+
+
+def _two_losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (out[:, 0] - y[:, 0]).pow(2).mean(), (out[:, 1] - y[:, 1]).pow(2).mean()
+
+
+def _micro_step(
+    st: Any, net: Any, batch: Batch, how: str, use_a: bool | None, weighted: bool = False
+) -> None:
+    """One micro-step's backward passes: ``one`` (the summed loss), ``retain`` (one forward,
+    two backward passes) or ``forwards`` (a forward and a backward per loss); all the same
+    gradient. ``weighted``: ``weight=`` the micro-batch's size, on the first."""
+    x, y = batch
+    weight = x.shape[0] if weighted else None
+
+    def forward() -> torch.Tensor:
+        return net(x) if use_a is None else net(x, use_a)
+
+    if how == "one":
+        st.backward(sum(_two_losses(forward(), y)), weight=weight)
+    elif how == "retain":
+        first, second = _two_losses(forward(), y)
+        st.backward(first, weight=weight, retain_graph=True)
+        st.backward(second)
+    else:
+        st.backward(_two_losses(forward(), y)[0], weight=weight)
+        st.backward(_two_losses(forward(), y)[1])
+
+
+def _windows_reference(
+    build: Callable[[], nn.Module],
+    per_rank: list[list[Batch]],
+    every: int,
+    branchy: bool,
+    weighted: bool = False,
+) -> torch.Tensor:
+    """One process: per window, the mean over ranks of each rank's mean micro-batch loss (or,
+    weighted, the mean over every sample of the window on every rank)."""
+    model: Any = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    n = len(per_rank[0])
+    for start in range(0, n, every):
+        total: Any = 0.0
+        windows = [batches[start : start + every] for batches in per_rank]
+        samples = sum(b[0].shape[0] for window in windows for b in window)
+        for r, window in enumerate(windows):
+            for x, y in window:
+                out = model(x, r == 0) if branchy else model(x)
+                share = x.shape[0] / samples if weighted else 1 / (len(window) * len(per_rank))
+                total = total + sum(_two_losses(out, y)) * share
+        total.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return flat(model)
+
+
+SEVERAL_BACKWARDS = {
+    # name: (accumulate, micro-batches, how micro-step i back-propagates, find_unused, hook)
+    "accumulate 1, one forward two backward passes": (1, 3, lambda i: "retain", False, "count"),
+    "accumulate 2, first seen on a window's last micro-step": (
+        2, 6, lambda i: "retain" if i == 3 else "one", False, "count"),
+    "accumulate 3, ragged, two forwards on the first window's end": (
+        3, 7, lambda i: "forwards" if i == 2 else "one", False, "count"),
+    "accumulate 1, rank-dependent branches": (1, 3, lambda i: "retain", True, "count"),
+    "accumulate 2, built-in fp16 hook": (2, 4, lambda i: "retain", False, "builtin:FP16_COMPRESS"),
+    "accumulate 3, weighted, ragged, first seen on the last micro-step": (
+        3, 5, lambda i: "retain" if i == 2 else "one", False, "count"),
+}  # fmt: skip
+
+
+def _counting_hook(calls: list[int]) -> Any:
+    """DDP's default all-reduce as a Python comm hook that records each bucket it reduces."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    # No annotations: DDP compares them with dist.GradBucket, and here they would be strings.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
+@scenario
+def several_backward_passes_on_a_synced_micro_step(info: distributed.DistInfo) -> dict[str, Any]:
+    """A synced micro-step that back-propagates twice: identical replicas, the large batch."""
+    found = {}
+    for name, (every, n, how, branchy, hook) in SEVERAL_BACKWARDS.items():
+        build: Callable[[], nn.Module] = TwoBranch if branchy else mlp
+        weighted = "weighted" in name
+        sizes = [[2, 7, 3, 5, 4], [9, 1, 6, 3, 8]] if weighted else [[4] * n] * 2
+        per_rank = [data(sizes[r][:n], seed=120 + r) for r in range(2)]
+        calls: list[int] = []
+        if hook == "count":
+            net: Any = nn.parallel.DistributedDataParallel(build(), find_unused_parameters=branchy)
+            net.register_comm_hook(None, _counting_hook(calls))
+        else:
+            net = _ddp_with_hook(build(), hook)
+        s = loopkit.step(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                         accumulate=every)  # fmt: skip
+        per_window = []
+        for i, batch in enumerate(s.iterate(per_rank[info.rank])):
+            with s as st:
+                use_a = (info.rank == 0) if branchy else None
+                _micro_step(st, net, batch, how(i), use_a, weighted)
+            if s.micro_step == 0:
+                per_window.append(len(calls))
+        w = flat(net.module)
+        found[name] = {
+            "updates": s.updates,
+            "calls": per_window,
+            "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+            "diff": (w - _windows_reference(build, per_rank, every, branchy, weighted))
+            .abs()
+            .max()
+            .item(),
+        }
+    return found
+
+
+def _skipping_gan(G: Any, D: Any, batches: list[Any], every: int, stop: bool) -> dict[str, Any]:
+    """D on every batch, G on each window's first batch only; until/cadence/checks after both."""
+    d_step = loopkit.step(D, torch.optim.SGD(D.parameters(), lr=0.1), accumulate=every)
+    g_step = loopkit.step(G, torch.optim.SGD(G.parameters(), lr=0.1), accumulate=every,
+                          frozen=[D])  # fmt: skip
+    gan = loopkit.steps(d_step, g_step)
+    until = loopkit.until(gan, max_updates=2, signals=()) if stop else None
+    every_update = loopkit.cadence(gan, updates=1)
+    fired = []
+    for i, (real, noise) in enumerate(gan.iterate(batches)):
+        with d_step as s:
+            s.backward(D(real).pow(2).mean())
+        if i % every == 0:
+            with g_step as s:
+                s.backward(-D(G(noise)).mean())
+        if every_update.due():
+            fired.append(gan.updates)
+        if until is not None and until.check():
+            break
+    return {"updates": (gan.updates, d_step.updates, g_step.updates), "fired": fired}
+
+
+@scenario
+def group_member_skipping_the_last_batch_under_ddp(info: distributed.DistInfo) -> dict[str, Any]:
+    """until/cadence see each window's end on both ranks; the by-hand close keeps replicas equal."""
+    g = torch.Generator().manual_seed(130)
+    per_rank = [[(torch.randn(4, 2, generator=g), torch.randn(4, 4, generator=g))
+                 for _ in range(6)] for _ in range(2)]  # fmt: skip
+    G, D = _gan_models()
+    got = _skipping_gan(distributed.wrap(G), distributed.wrap(D), per_rank[info.rank], 2, True)
+    G_ref, D_ref = _gan_models()  # one process, both ranks' batches side by side, 2 windows
+    glob = [(torch.cat([per_rank[r][k][0] for r in range(2)]),
+             torch.cat([per_rank[r][k][1] for r in range(2)])) for k in range(4)]  # fmt: skip
+    _skipping_gan(G_ref, D_ref, glob, 2, False)
+    w = _flat_of(G, D)
+    return {
+        **got,
+        "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+        "diff": (w - _flat_of(G_ref, D_ref)).abs().max().item(),
+    }
+
+
+def _gan_two_g_losses(G: Any, D: Any, batches: list[Any], every: int) -> tuple[int, int]:
+    """The DCGAN loop whose G back-propagates twice (adversarial, then L1 on the same fake)."""
+    bce = nn.functional.binary_cross_entropy_with_logits
+    d_step = loopkit.step(D, torch.optim.SGD(D.parameters(), lr=0.1), accumulate=every)
+    g_step = loopkit.step(G, torch.optim.SGD(G.parameters(), lr=0.1), accumulate=every,
+                          frozen=[D])  # fmt: skip
+    for real, noise in loopkit.steps(d_step, g_step).iterate(batches):
+        n = real.shape[0]
+        with d_step as s:
+            s.backward(bce(D(real), torch.ones(n, 1)))
+            fake = G(noise)
+            s.backward(bce(D(fake.detach()), torch.zeros(n, 1)))
+        with g_step as s:
+            s.backward(bce(D(fake), torch.ones(n, 1)), retain_graph=True)
+            s.backward(nn.functional.l1_loss(fake, real))
+    return d_step.updates, g_step.updates
+
+
+@scenario
+def gan_whose_generator_backs_up_twice(info: distributed.DistInfo) -> dict[str, Any]:
+    """G(noise) inside D's step, G with two backward passes: trains as one process does."""
+    g = torch.Generator().manual_seed(140)
+    per_rank = [[(torch.randn(4, 2, generator=g), torch.randn(4, 4, generator=g))
+                 for _ in range(5)] for _ in range(2)]  # fmt: skip
+    glob = [(torch.cat([per_rank[r][k][0] for r in range(2)]),
+             torch.cat([per_rank[r][k][1] for r in range(2)])) for k in range(5)]  # fmt: skip
+    found = {}
+    for every in (1, 2, 3):
+        G, D = _gan_models()
+        counts = _gan_two_g_losses(distributed.wrap(G), distributed.wrap(D), per_rank[info.rank],
+                                   every)  # fmt: skip
+        G_ref, D_ref = _gan_models()
+        _gan_two_g_losses(G_ref, D_ref, glob, every)
+        w = _flat_of(G, D)
+        found[every] = {
+            "updates": counts,
+            "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+            "diff": (w - _flat_of(G_ref, D_ref)).abs().max().item(),
+        }
+    return found
+
+
+@scenario
+def gradients_cleared_as_a_window_opens_are_not_its_own(
+    info: distributed.DistInfo,
+) -> dict[str, Any]:
+    """A stray backward before a window that is reduced by hand: cleared, the window trains."""
+    per_rank = [data([4] * 2, seed=150 + r) for r in range(2)]
+    net: Any = distributed.wrap(mlp())
+    s = loopkit.step(net, sgd(net), accumulate=3)
+    mse(net, per_rank[info.rank][1]).backward()  # outside any window: never joins one
+    with s as st:
+        st.backward(mse(net, per_rank[info.rank][0]))
+    s.flush()  # ragged, its micro-step ran under no_sync: reduced by hand
+    w = flat(net)
+    return {
+        "updates": s.updates,
+        "same": all(torch.equal(x, replicas(w)[0]) for x in replicas(w)),
+        "diff": (w - reference([[per_rank[r][0] for r in range(2)]])).abs().max().item(),
+    }
+
+
+@scenario
+def buffers_follow_rank_zero_when_windows_are_reduced_by_hand(
+    info: distributed.DistInfo,
+) -> dict[str, Any]:
+    """BatchNorm statistics: a model reduced by hand gets rank 0's at the next window's first
+    forward, as DDP's own path does (two backward passes against one, same buffers)."""
+    per_rank = [data([4] * 6, seed=160 + r) for r in range(2)]
+    found = {}
+    for how in ("one", "retain"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        net: Any = nn.parallel.DistributedDataParallel(model)
+        s = loopkit.step(net, sgd(net), accumulate=2)
+        for batch in s.iterate(per_rank[info.rank]):
+            with s as st:
+                _micro_step(st, net, batch, how, None)
+        found[how] = torch.cat([b.detach().flatten().float() for b in model.buffers()])
+    return {"diff": (found["one"] - found["retain"]).abs().max().item()}
+
+
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

@@ -203,5 +203,113 @@ def until_signal_to_one_rank(info: distributed.DistInfo) -> dict[str, Any]:
     return _train(info.rank, {"check_every": 2}, hook, out_dir() / "signal")
 
 
+def bn_model() -> nn.Module:
+    """A float64 model with BatchNorm: its running statistics are the buffers that differ."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).double()
+
+
+def _buffers(module: nn.Module) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in module.buffers()]
+
+
+@scenario
+def evaluate_with_rank_zero_buffers(info: distributed.DistInfo) -> dict[str, Any]:
+    """BatchNorm trained per rank (DDP with and without broadcast_buffers, or no DDP at all):
+    evaluate pools the metric of rank 0's model, and each rank's own buffers come back."""
+    data = seven_samples()
+    out: dict[str, Any] = {}
+    for kind in ("ddp", "ddp_no_broadcast", "plain"):
+        inner = bn_model()
+        model: nn.Module = inner
+        if kind != "plain":
+            model = nn.parallel.DistributedDataParallel(inner, broadcast_buffers=kind == "ddp")
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+        g = torch.Generator().manual_seed(10 + info.rank)  # each rank its own batches
+        for _ in range(4):
+            x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+            if kind == "plain":  # the same weights everywhere, statistics of its own batches
+                with torch.no_grad():
+                    model(x)
+                continue
+            with step as s:
+                s.backward(model(x).pow(2).mean())
+        before = _buffers(inner)
+        val = distributed.loader(data, batch_size=2, shuffle=False, num_workers=0)
+        with counted_collectives() as counts:
+            result = loopkit.evaluate(model, val, per_sample, step=step)
+        out[kind] = {
+            "sums": result.sums,
+            "samples": result.samples,
+            "rank_zero_state": {k: v.clone() for k, v in inner.state_dict().items()},
+            "buffers_kept": all(
+                torch.equal(a, b) for a, b in zip(before, _buffers(inner), strict=True)
+            ),
+            "training": inner.training,
+            "collectives": counts,
+        }
+    return out
+
+
+def _epoch_end_run(info: distributed.DistInfo, directory: Path, kind: str,
+                   signal_at: int | None) -> dict[str, Any]:  # fmt: skip
+    """2 epochs of 3 batches per rank; a per-epoch scheduler step; SIGTERM to rank 1 only.
+
+    ``kind``: "none" (DDP and optimizer.step() by hand, the Checkpointer's loader=) or
+    "step" (loopkit.step, epochs() counted by until, no loader=).
+    """
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 3, generator=g),
+                                          torch.randn(12, 1, generator=g))  # fmt: skip
+    step = loopkit.step(model, opt, accumulate=2) if kind == "step" else None
+    loader = distributed.loader(data, batch_size=2, num_workers=0, seed=1)
+    ckpt = loopkit.Checkpointer(directory, model=model, optimizer=opt, scheduler=sched,
+                                step=step, loader=loader if step is None else None)  # fmt: skip
+    stop = loopkit.until(step, max_epochs=2, check_every=1, checkpointer=ckpt)
+    ckpt.resume()
+    epochs = []
+    for epoch in stop.epochs(loader if step is None else None):
+        epochs.append(epoch)
+        if step is not None:  # no loader=: the data of each epoch seeded by hand
+            loader.set_epoch(epoch)
+        source: Any = step.iterate(list(loader)) if step is not None else loader
+        for n, (x, y) in enumerate(source, start=1):
+            if step is not None:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+            else:
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            if info.rank == 1 and (epoch, n) == (0, signal_at):
+                os.kill(os.getpid(), signal.SIGTERM)
+            if stop.check():
+                break
+        sched.step()
+    return {"weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+            "epochs": epochs, "reason": stop.reason, "stopped_at": stop.stopped_at,
+            "saved": [p.name for p in ckpt.checkpoints()]}  # fmt: skip
+
+
+@scenario
+def until_stop_on_an_epochs_last_batch(info: distributed.DistInfo) -> dict[str, Any]:
+    """SIGTERM to rank 1 on epoch 0's last batch: both ranks stop at the same boundary, one
+    checkpoint after the epoch's code, and the resumed run ends at the uninterrupted weights."""
+    out = {}
+    for kind in ("none", "step"):
+        base = out_dir() / f"epoch_end_{kind}"
+        whole = _epoch_end_run(info, base / "whole", kind, None)
+        first = _epoch_end_run(info, base / "parts", kind, 3)
+        saved = loopkit.load_checkpoint(base / "parts" / first["saved"][-1])
+        second = _epoch_end_run(info, base / "parts", kind, None)
+        out[kind] = {"whole": whole, "first": first, "second": second,
+                     "saved_lr_epoch": saved["scheduler"]["last_epoch"]}  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,6 +15,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository's root (tests live in folders below tests/, helpers directly in it)."""
+
+# Imported from here, not from conftest: tests/invariants has a conftest.py of its own, and
+# whichever "conftest" module Python imports first would shadow the other.
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: none on this machine"
+)
 
 
 def mlp(seed: int = 0, width: int = 32) -> nn.Module:

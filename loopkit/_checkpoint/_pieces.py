@@ -6,7 +6,8 @@ groups, accumulation and precision, data set and batch size), and loads it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
 from .._step import _accumulate, _compose, _group
 from .._types import Clock, Stateful
-from ._contract import ExtraStates, StatePiece, UserState, expect, need
+from ._contract import ExtraStates, StatePiece, UserState, copied, expect, need
 from ._rng import RngStates
 
 # The GradScaler.load_state_dict reads these.
@@ -161,15 +162,18 @@ class ParamShapes:
 
 
 class AmpState(UserState):
-    """An ``autocast_step``'s GradScaler state; a saved one must be of this precision."""
+    """An ``autocast_step``'s GradScaler state and precision; a saved one must be this one's."""
 
     def __init__(self, amp: autocast_step, who: str = "amp= state") -> None:
         super().__init__(amp)
         self.amp, self.who = amp, who
 
+    def state_dict(self) -> dict[str, object]:
+        return {**self.amp.state_dict(), "precision": self.amp.precision}
+
     def check_state_dict(self, saved: object) -> None:
         state = expect(saved, Mapping, "'amp'")
-        if self.amp.scaler is None and state:
+        if self.amp.scaler is None and any(k != "precision" for k in state):
             raise CheckpointError(
                 f"the checkpoint's {self.who} holds a GradScaler (it was saved with fp16) but "
                 f"this run's precision is {self.amp.precision!r}: resume with precision='fp16'"
@@ -187,39 +191,139 @@ class AmpState(UserState):
                 raise CheckpointError(
                     f"incomplete checkpoint: the GradScaler state has no {missing}"
                 )
+        check_precision(state.get("precision"), self.amp.precision, self.who)
+
+    def load_state_dict(self, saved: object) -> None:
+        state = expect(saved, Mapping, "'amp'")
+        self.amp.load_state_dict({k: v for k, v in state.items() if k != "precision"})
+
+
+def check_precision(saved: object, here: str | None, who: str) -> None:
+    """Refuse a resume in another precision than the one saved (unknown on either side: pass).
+
+    A checkpoint written before precisions were recorded has none; an ``accumulate``
+    without ``amp=`` has none either (its autocast, if any, is the Checkpointer's ``amp=``).
+    """
+    if saved is None or here is None or saved == here:
+        return
+    raise CheckpointError(
+        f"the checkpoint's {who} was saved with precision {saved!r} but this run's is "
+        f"{here!r}: resume with precision={saved!r} (a run resumed in another precision "
+        "does not continue the one that was saved)"
+    )
 
 
 class StepState(UserState):
-    """A ``loopkit.step``'s or ``accumulate``'s counters (and a step's GradScaler)."""
+    """A ``loopkit.step``'s or ``accumulate``'s counters, its GradScaler, precision and own
+    scheduler (the one given to the step, unless the Checkpointer saves it under
+    ``scheduler=`` or ``extra=``); an ``accumulate``'s ``amp=`` likewise."""
 
-    def __init__(self, step: _compose.step | _accumulate.accumulate) -> None:
+    def __init__(
+        self,
+        step: _compose.step | _accumulate.accumulate,
+        elsewhere: Collection[int] = (),
+        who: str = "step",
+    ) -> None:
         super().__init__(step)
-        self.step = step
+        self.step, self.who = step, who
         self.accumulator = step.accumulator if isinstance(step, _compose.step) else step
         self.clock: Clock = self.accumulator
+        amp = step.amp if isinstance(step, _compose.step) else self.accumulator.amp
+        self.precision = None if amp is None else amp.precision
+        # What the step owns that no other piece saves (``elsewhere``: ids of those objects).
+        own_amp = amp if isinstance(step, _accumulate.accumulate) else None
+        self.amp = None if own_amp is None or id(own_amp) in elsewhere else own_amp
+        scheduler = self.accumulator._rule.scheduler
+        if scheduler is not None and not isinstance(scheduler, Stateful):
+            # loopkit.step takes any object with step(); one whose lr is a function of what
+            # the checkpoint restores (the optimizer's step count) needs no state of its own.
+            warnings.warn(
+                f"the {who}'s scheduler ({type(scheduler).__name__}) has no state_dict() and "
+                "load_state_dict(), so checkpoints do not hold it: if it keeps state of its "
+                "own (a step count), give it those two methods or a resumed run restarts it",
+                stacklevel=4,
+            )
+            scheduler = None
+        self.scheduler: Stateful | None = (
+            None if scheduler is None or id(scheduler) in elsewhere else scheduler
+        )
 
     def _counters(self, saved: Mapping[str, object]) -> Mapping[str, object]:
         if isinstance(self.step, _compose.step):
             return need(saved, "accumulate", Mapping, "'step.accumulate'")
         return saved
 
+    def owned_state(self) -> dict[str, object]:
+        """The precision and what the step owns beyond its counters and GradScaler."""
+        state: dict[str, object] = {}
+        if self.precision is not None:
+            state["precision"] = self.precision
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.amp is not None:
+            state["amp"] = self.amp.state_dict()
+        return state
+
+    def state_dict(self) -> dict[str, object]:
+        return {**self.step.state_dict(), **self.owned_state()}
+
     def check_state_dict(self, saved: object) -> None:
         state = expect(saved, Mapping, "'step'")
         counters = self._counters(state)
-        if isinstance(self.step, _compose.step):
-            AmpState(self.step.amp, "step").check_state_dict(
-                need(state, "amp", Mapping, "'step.amp'")
+        amp = self.step.amp if isinstance(self.step, _compose.step) else self.amp
+        if amp is not None:
+            AmpState(amp, self.who).check_state_dict(need(state, "amp", Mapping, "'step.amp'"))
+        elif "amp" in state:
+            raise CheckpointError(
+                f"the checkpoint's {self.who} holds an amp= state but this run's accumulate "
+                "has none (or the Checkpointer saves it under amp=): build it as when saving"
             )
+        check_precision(state.get("precision"), self.precision, self.who)
+        self._check_scheduler(state)
         every = need(counters, "every", int, "the step's 'every'")
         if every != self.accumulator.every:
             raise CheckpointError(
-                f"saved with accumulate every={every} but this run's step accumulates "
+                f"saved with accumulate every={every} but this run's {self.who} accumulates "
                 f"every={self.accumulator.every}: build the step with accumulate={every} to "
                 "resume it"
             )
         for key in ("updates", "skipped"):
             if need(counters, key, int, f"the step's {key!r}") < 0:
                 raise CheckpointError(f"damaged checkpoint: the step's {key!r} is negative")
+
+    def _check_scheduler(self, state: Mapping[str, object]) -> None:
+        if self.scheduler is not None and "scheduler" not in state:
+            raise CheckpointError(
+                f"this run's {self.who} has a scheduler= but the checkpoint holds no state "
+                "for it (saved without one, or under the Checkpointer's scheduler=/extra=): "
+                "build the step and the Checkpointer as when saving"
+            )
+        if self.scheduler is None and "scheduler" in state:
+            raise CheckpointError(
+                f"the checkpoint holds the {self.who}'s scheduler but this run's {self.who} "
+                "has none (or the Checkpointer saves it under scheduler=/extra=): build the "
+                "step and the Checkpointer as when saving"
+            )
+
+    def snapshot(self) -> object:
+        return copied(self.state_dict())
+
+    def load_state_dict(self, saved: object) -> None:
+        state = expect(saved, Mapping, "'step'")
+        self.step.load_state_dict(state)  # reads its own entries only
+        self.load_owned(state)
+
+    def load_owned(self, saved: Mapping[str, object]) -> None:
+        """Load what ``owned_state`` saved (the step's own entries are loaded apart)."""
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        if self.amp is not None:
+            amp_state = saved["amp"]
+            assert isinstance(amp_state, Mapping)  # check_state_dict made sure
+            self.amp.load_state_dict(amp_state)
+
+    def restore(self, snapshot: object) -> None:
+        self.load_state_dict(snapshot)
 
     def saved_updates(self, saved: object) -> int:
         """The update count in a checked saved state."""
@@ -229,13 +333,23 @@ class StepState(UserState):
 
 
 class StepsState(UserState):
-    """A ``loopkit.steps`` group: every member's state, and the clock's windows."""
+    """A ``loopkit.steps`` group: each member's state (as a single step's), the clock's windows."""
 
-    def __init__(self, group: _group.steps) -> None:
+    def __init__(self, group: _group.steps, elsewhere: Collection[int] = ()) -> None:
         super().__init__(group)
         self.group = group
         self.clock: Clock = group
-        self._members = [StepState(m) for m in group.members]
+        self._members = [
+            StepState(m, elsewhere, f"group's step {i}") for i, m in enumerate(group.members)
+        ]
+
+    def state_dict(self) -> dict[str, object]:
+        state = dict(self.group.state_dict())
+        state["steps"] = [
+            {**saved, **piece.owned_state()}
+            for saved, piece in zip(state["steps"], self._members, strict=True)
+        ]
+        return state
 
     def check_state_dict(self, saved: object) -> None:
         state = expect(saved, Mapping, "'step'")
@@ -249,6 +363,20 @@ class StepsState(UserState):
             piece.check_state_dict(member)
         if need(state, "updates", int, "the group's 'updates'") < 0:
             raise CheckpointError("damaged checkpoint: the group's 'updates' is negative")
+
+    def snapshot(self) -> object:
+        return copied(self.state_dict())
+
+    def load_state_dict(self, saved: object) -> None:
+        state = expect(saved, Mapping, "'step'")
+        self.group.load_state_dict(state)  # every member's own entries, and the clock
+        members = state["steps"]
+        assert isinstance(members, list)  # check_state_dict made sure
+        for piece, member in zip(self._members, members, strict=True):
+            piece.load_owned(member)
+
+    def restore(self, snapshot: object) -> None:
+        self.load_state_dict(snapshot)
 
     def saved_updates(self, saved: object) -> int:
         """The clock's windows in a checked saved state."""
@@ -313,15 +441,18 @@ def pieces_for(
             raise TypeError("scheduler must have state_dict() and load_state_dict()")
         pieces["scheduler"] = UserState(scheduler)
     stepper: StepState | StepsState | None = None
+    # A step saves what it owns (its scheduler, an accumulate's amp) unless a piece of its
+    # own saves that object already.
+    elsewhere = {id(obj) for obj in (scheduler, amp, *extra.values()) if obj is not None}
     if isinstance(step, _group.steps):
-        pieces["step"] = stepper = StepsState(step)
+        pieces["step"] = stepper = StepsState(step, elsewhere)
     elif step is not None:
         if not isinstance(step, (_compose.step, _accumulate.accumulate)):
             raise TypeError(
                 f"step must be a loopkit.step or loopkit.accumulate (or a loopkit.steps group), "
                 f"got {step!r}"
             )
-        pieces["step"] = stepper = StepState(step)
+        pieces["step"] = stepper = StepState(step, elsewhere)
     if amp is not None:
         if not isinstance(amp, autocast_step):
             raise TypeError(f"amp must be a loopkit.autocast_step, got {amp!r}")

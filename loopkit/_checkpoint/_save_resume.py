@@ -1,7 +1,8 @@
 """Checkpointer: atomic loop-state checkpoints and bit-identical resume.
 
 One file holds everything a resumed loop needs: model, optimizer, scheduler, the step's
-counters and GradScaler, every rank's RNG states (python, numpy, torch CPU and CUDA), the
+counters, precision, GradScaler and own scheduler (each member's, for a ``steps`` group),
+every rank's RNG states (python, numpy, torch CPU and CUDA), the
 epoch and the position within it (with the loader's generator state, so the same batches
 come next), and any user object with ``state_dict``/``load_state_dict``. Each of these is
 a piece (``_contract``) kept under its own key; the files on disk are
@@ -27,7 +28,7 @@ from .._checks import is_int_at_least
 from .._data._epoch_loader import EpochLoader
 from .._precision import autocast_step
 from .._step import _accumulate, _compose, _group
-from .._types import Stateful
+from .._types import Clock, Stateful
 from . import _files as files
 from ._contract import StatePiece, need, per_rank
 from ._deferred import DeferredSave
@@ -43,15 +44,17 @@ class Checkpointer:
     part); ``ckpt.maybe_save(every=N)`` saves each N-th optimizer update. Pass the same
     objects when resuming as when saving.
 
+    ``step=`` saves the step's counters, precision and GradScaler, and the scheduler given
+    to the step unless ``scheduler=``/``extra=`` holds that object (a ``steps`` group: each
+    member's); a resume in another precision is refused.
+
     Checkpoints are named by the step's update count, or (without ``step=``) by the
-    Checkpointer's own count of saves, which a checkpoint carries so numbering continues
-    after a resume. With ``loader=``, a ``maybe_save`` on the window that ends a pass of the
-    loader is deferred to the start of the next pass, so the checkpoint holds what the
-    epoch's own code did after its last window (a per-epoch ``scheduler.step()``, an
-    evaluation, the RNG it used); call ``save()`` after the loop to keep the final state.
-    ``resume(older_path)`` starts a new lineage: checkpoints newer than the one restored
-    are moved to an ``abandoned-<update>-<time>/`` subdirectory, kept but never resumed
-    from or counted by ``keep``.
+    Checkpointer's own count of saves, which carries over a resume. With ``loader=``, a
+    ``maybe_save`` (or a stop's save) on the window that ends a pass of the loader is
+    deferred to the start of the next pass, so it holds what the epoch's code did after its
+    last window (a per-epoch ``scheduler.step()``, an evaluation, the RNG it used); call
+    ``save()`` after the loop to keep the final state. ``resume(older_path)`` starts a new
+    lineage: newer checkpoints move to ``abandoned-<update>-<time>/``, never resumed from.
 
     ``pieces`` maps each file key to the piece that saves and restores it. An object in
     ``extra=`` that has ``check_state_dict``, ``snapshot`` and ``restore`` besides
@@ -84,6 +87,7 @@ class Checkpointer:
         self.step, self.amp, self.loader, self.extra = step, amp, loader, extra
         self.keep = keep
         self.last_saved_update: int | None = None
+        self._saved_windows: int | None = None  # windows closed at the last save or resume
         self._saves = 0  # checkpoints written in this run's lineage (names them without step=)
         self._deferred = DeferredSave(loader, self.save)
         stepper = self.pieces.get("step")
@@ -92,23 +96,7 @@ class Checkpointer:
 
     def check_can_add(self, name: str, piece: object) -> None:
         """Raise what ``add(name, piece)`` would raise; changes nothing."""
-        if not isinstance(name, str) or not name or name in BOOKKEEPING:
-            raise ValueError(f"a piece's name must be a non-empty str, not one of "
-                             f"{BOOKKEEPING}, got {name!r}")  # fmt: skip
-        if name in self.pieces:
-            raise ValueError(
-                f"this Checkpointer already saves a piece named {name!r}: one object per name"
-            )
-        if not isinstance(piece, StatePiece):
-            raise TypeError(
-                f"{type(piece).__name__} is not a checkpoint piece (state_dict, "
-                "check_state_dict, snapshot, load_state_dict, restore)"
-            )
-        if self._used:
-            raise RuntimeError(
-                f"add {name!r} before the first resume() or save(): a resume before it would "
-                "have skipped its state"
-            )
+        _check_can_add(self.pieces, self._used, name, piece)
 
     def add(self, name: str, piece: StatePiece) -> None:
         """Save and restore ``piece`` under ``name`` as well (before any save or resume).
@@ -120,6 +108,25 @@ class Checkpointer:
 
     def _updates(self) -> int:
         return self._acc.updates if self._acc is not None else 0
+
+    def _windows_closed(self) -> int:
+        """Windows closed so far, skipped updates included (a skip changes the state too)."""
+        acc = self._acc
+        return 0 if acc is None else acc.updates + int(getattr(acc, "skipped", 0))
+
+    @property
+    def clock(self) -> Clock | None:
+        """The windows of the ``step=`` this Checkpointer saves (None without ``step=``)."""
+        return self._acc
+
+    def ends_pass(self) -> bool:
+        """Whether the boundary just reached ends a pass of ``loader=`` (False without it).
+
+        The same with or without ``step=``: the loader's batches handed out, less those a
+        step's ``iterate`` holds back, have reached the pass's length. The epoch's own code
+        (after its last window) has not run yet.
+        """
+        return self._deferred.pass_is_over(self._acc.lookahead if self._acc is not None else 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank contributes (RNG states are gathered from all ranks on save)."""
@@ -192,7 +199,7 @@ class Checkpointer:
             or updates in (self.last_saved_update, self._deferred.update)
         ):
             return None
-        if self._deferred.pass_is_over(acc.lookahead):
+        if self.ends_pass():
             # The epoch's code after its last window has not run yet: a checkpoint now would
             # resume without it.
             self._deferred.defer(updates)
@@ -208,11 +215,16 @@ class Checkpointer:
         """Save now unless this update is saved already; deferred as ``maybe_save`` defers.
 
         What a stop condition calls inside the loop: on the window that ends the loader's
-        pass, the save waits for the next pass or for ``save_if_needed()``.
+        pass, the save waits for the next pass or for ``save_if_needed()``, with or without
+        ``step=`` (a loop without one: the optimizer step just made ends the pass when the
+        loader has handed out its last batch).
         """
-        if self._acc is None:
-            return self.save()
-        return self.maybe_save(every=1)
+        if self._acc is not None:
+            return self.maybe_save(every=1)
+        if self.ends_pass():
+            self._deferred.defer(self._updates())
+            return None
+        return self.save()
 
     def save_if_needed(self) -> Path | None:
         """Save unless the newest checkpoint already holds this state (e.g. after the loop).
@@ -221,7 +233,7 @@ class Checkpointer:
         """
         if self._acc is None or self.save_pending:
             return self.save()
-        if self.last_saved_update == self._acc.updates:
+        if self._saved_windows == self._windows_closed():
             return None
         return self.save()
 
@@ -229,6 +241,7 @@ class Checkpointer:
         """After a save or a resume: ``saves`` name the next; no save is due or deferred."""
         self._saves = saves
         self.last_saved_update = self._updates()
+        self._saved_windows = self._windows_closed()
         self._deferred.cancel()
 
     def checkpoints(self) -> list[Path]:
@@ -273,3 +286,23 @@ class Checkpointer:
             raise
         self._count_saved(need(state, "saves", int, "'saves'"))
         return target
+
+
+def _check_can_add(pieces: Mapping[str, StatePiece], used: bool, name: str, piece: object) -> None:
+    if not isinstance(name, str) or not name or name in BOOKKEEPING:
+        raise ValueError(f"a piece's name must be a non-empty str, not one of "
+                         f"{BOOKKEEPING}, got {name!r}")  # fmt: skip
+    if name in pieces:
+        raise ValueError(
+            f"this Checkpointer already saves a piece named {name!r}: one object per name"
+        )
+    if not isinstance(piece, StatePiece):
+        raise TypeError(
+            f"{type(piece).__name__} is not a checkpoint piece (state_dict, "
+            "check_state_dict, snapshot, load_state_dict, restore)"
+        )
+    if used:
+        raise RuntimeError(
+            f"add {name!r} before the first resume() or save(): a resume before it would "
+            "have skipped its state"
+        )

@@ -27,13 +27,23 @@ def clock_of(stepper: object, who: str) -> Clock | None:
 
 
 class Boundaries:
-    """Reports each window boundary once; without a clock each call is one update."""
+    """Reports each window boundary once; without a clock each call is one update.
+
+    A boundary is a window that closed since the last report: none at first, where the
+    tracker is built (a group's window counted as its last batch began closes in that
+    batch, so is still to come), nor where the clock was last resumed (its loaded windows
+    closed in the run it was saved from).
+    """
 
     def __init__(self, clock: Clock | None) -> None:
         self.clock = clock
         self.calls = 0
         """Calls made without a clock (each one an update; saved by ``until``)."""
-        self._last: int | None = None
+        self._last = 0
+        self._load: object = None
+        if clock is not None:
+            self._load = _last_load(clock)[0]
+            self._last = _closed(clock) - bool(getattr(clock, "_counted", False))
 
     @property
     def updates(self) -> int:
@@ -49,13 +59,41 @@ class Boundaries:
         if clock is None:
             self.calls += 1
             return self.calls
+        load, loaded = _last_load(clock)
+        if load is not self._load:  # resumed since: only windows closed after it are new
+            self._load = load
+            if loaded is not None:
+                self._last = loaded
+        # Read first, on every call: a group learns from these reads where the loop asks
+        # loop control (before or after its micro-steps), and closes a window's last batch
+        # there. Then the common answer: no window has closed since the last report
+        # (mid-window, or asked twice at one boundary).
+        if clock.micro_step:
+            return None
         updates = clock.updates
-        # Windows closed, skipped ones included (fp16 inf/nan, skip_nonfinite): a skipped
-        # update still ends its window, and every rank skips alike.
-        closed = updates + getattr(clock, "skipped", 0)
-        # The common answer first, with one read: no window has closed since the last ask
-        # (mid-window, or asked twice at one boundary). Called after every micro-step.
-        if closed == self._last or clock.micro_step:
+        closed = _closed(clock)
+        if closed == self._last:
             return None
         self._last = closed
         return updates
+
+
+def _closed(clock: Clock) -> int:
+    """Windows closed, skipped ones included (fp16 inf/nan, skip_nonfinite).
+
+    A skipped update still ends its window, and every rank skips alike.
+    """
+    return clock.updates + int(getattr(clock, "skipped", 0))
+
+
+def _last_load(clock: Clock) -> tuple[object, int | None]:
+    """The clock's last load (a new object per load) and the windows closed as it loaded.
+
+    An accumulate's counters (``Progress``) are replaced by a load; a group keeps a tuple.
+    """
+    progress = getattr(clock, "_progress", None)
+    if progress is not None:
+        loaded: int | None = progress.loaded
+        return progress, loaded
+    mark: tuple[int, int] | None = getattr(clock, "_loaded", None)
+    return mark, None if mark is None else mark[1]

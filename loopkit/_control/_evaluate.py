@@ -8,10 +8,12 @@ are the last ones), and the ranks' float64 sums and counts are pooled in one exc
 the end, summed in rank order on every rank alike.
 
 The forward runs under ``torch.inference_mode()`` and the step's autocast, on the module
-inside DDP (so no reducer state or buffer broadcast is touched, and ranks may run
-different numbers of batches), with every submodule in eval mode; the modes and the RNG
-states (python, numpy, torch) are put back in a ``finally``, so an evaluation never changes
-the training that follows it.
+inside DDP (so no reducer state is touched, and ranks may run different numbers of
+batches), with every submodule in eval mode and, under several processes, rank 0's
+persistent buffers on every rank (``_rank_zero_buffers``: the metric is that of the model a
+checkpoint saves, whatever DDP's ``broadcast_buffers``); the modes, each rank's own buffers
+and the RNG states (python, numpy, torch) are put back afterwards, so an evaluation never
+changes the training that follows it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .._precision import resolve_precision
 from .._step import _compose
 from .._sync_points import expected_sync
 from .._types import DeviceLike, PrecisionLike
+from ._rank_zero_buffers import RankZeroBuffers
 
 Metrics = Mapping[str, torch.Tensor]
 EvalFn = Callable[[nn.Module, Any], Metrics]
@@ -91,7 +94,10 @@ def evaluate(
     already gives every sample to exactly one rank (an IterableDataset sharded by rank).
     ``step=`` takes its precision, device and transfer options; else ``precision=``
     (default fp32) and ``device=`` (default the model's). Every rank must call it; each
-    gets the same result. One host read and one exchange (``all_gather_object``) per call.
+    gets the same result: the metric of rank 0's model (its buffers, such as BatchNorm's
+    running statistics, on every rank for the call). One host read and one exchange
+    (``all_gather_object``) per call; a model with buffers adds, under several processes,
+    one exchange of their shapes and a broadcast of each.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -107,6 +113,8 @@ def evaluate(
     move = step.to_device if step is not None else _mover(model, device)
     batches, keep = _shard(loader, disjoint)
     forward = _forward_module(model)
+    # Rank 0's model (its buffers) on every rank: checked alike everywhere before anything changes.
+    rank_zero = RankZeroBuffers(forward)
 
     modes = [(m, m.training) for m in model.modules()]
     names: list[str] | None = None
@@ -116,7 +124,7 @@ def evaluate(
     parts: list[list[float]] = []
     try:
         model.eval()
-        with _rng.kept(), torch.inference_mode(), autocast:
+        with _rng.kept(), rank_zero, torch.inference_mode(), autocast:
             for batch in batches:
                 out = fn(forward, move(batch))
                 values, size = _per_sample(out, names)
@@ -288,7 +296,7 @@ _DROPS = (
 
 
 def _forward_module(model: nn.Module) -> nn.Module:
-    """The module to run: inside DDP (no reducer, no buffer broadcast); FSDP as it is."""
+    """The module to run: inside DDP (no reducer, no forward's broadcast); FSDP as it is."""
     inner = unwrap(model)
     if sync_kind(inner) == "ddp":
         module = inner.module

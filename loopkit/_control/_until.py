@@ -24,6 +24,7 @@ from .._data._epoch_loader import EpochLoader
 from ._boundaries import Boundaries, clock_of
 from ._durations import parse_duration
 from ._early_stop import early_stop as EarlyStop
+from ._pass_end import PassEnd
 from ._signals import SignalFlag, SignalLike, check_can_catch, resolve_signals
 from ._stop_state import UntilState
 
@@ -41,12 +42,17 @@ class until:
     time are checked every ``check_every`` updates (one small all-reduce under DDP); limits
     on updates and epochs, and ``early_stop``'s decision, at every boundary.
 
-    ``checkpointer=ckpt``: the stop writes one checkpoint at its boundary (deferred to
-    the end of the epoch's code when it falls on the epoch's last window, like
-    ``maybe_save``), and the stop's own state (elapsed time, ``early_stop``'s counters)
-    is saved with every checkpoint. Build it before ``ckpt.resume()``. Use it as a context
+    ``checkpointer=ckpt`` (which must save the same step, or none for none): the stop
+    writes one checkpoint at its boundary (deferred to the end of the epoch's code when it
+    falls on the epoch's last window, like ``maybe_save``, with or without a step), and the
+    stop's own state (elapsed time, ``early_stop``'s counters, the epochs it counts) is
+    saved with every checkpoint. Build it before ``ckpt.resume()``. Use it as a context
     manager (``with loopkit.until(...) as stop:``), or let ``epochs()`` end, to put the
-    signal handlers back.
+    signal handlers back (and write a deferred save).
+
+    ``max_epochs`` is counted by ``epochs()``; in a loop without it, ``check()`` counts the
+    passes of the Checkpointer's ``loader=`` and stops on the window that ends the last
+    one; with neither, the first ``check()`` raises (the limit would be ignored).
     """
 
     def __init__(
@@ -64,22 +70,10 @@ class until:
     ) -> None:
         # Everything is checked before a handler is installed or the Checkpointer changed.
         clock = clock_of(step, "until")
-        for name, value in (("max_updates", max_updates), ("max_epochs", max_epochs)):
-            if value is not None and not is_int_at_least(value, 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        _check_limits(max_updates, max_epochs, check_every)
         seconds = None if max_time is None else parse_duration(max_time)
         sigs = resolve_signals(signals)
-        if not is_int_at_least(check_every, 1):
-            raise ValueError(
-                f"check_every must be an int >= 1 (updates between signal/time checks), "
-                f"got {check_every!r}"
-            )
-        if early_stop is not None and not isinstance(early_stop, EarlyStop):
-            raise TypeError(f"early_stop must be a loopkit.early_stop, got {early_stop!r}")
-        if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
-            raise TypeError(f"checkpointer must be a loopkit.Checkpointer, got {checkpointer!r}")
-        if not callable(timer):
-            raise TypeError("timer must be a callable returning seconds (time.monotonic)")
+        _check_objects(early_stop, checkpointer, timer, clock)
         check_can_catch(sigs, "until")
         boundaries = Boundaries(clock)
         state = UntilState(timer, boundaries, early_stop)
@@ -89,6 +83,13 @@ class until:
         self.signals, self.early_stop, self.check_every = sigs, early_stop, check_every
         self.checkpointer = checkpointer
         self._boundaries, self._state = boundaries, state
+        self._pass = PassEnd(clock, None if checkpointer is None else checkpointer.loader)
+        # Without a loader, a stop's save can wait for the epoch's code only where the step's
+        # iterate shows the pass's end: watched at every check (one attribute read).
+        self._watch = checkpointer is not None and checkpointer.loader is None and clock is not None
+        self._epochs_used = False  # epochs() counts the epochs (check() leaves max_epochs to it)
+        self._in_epoch = False  # epochs() has yielded and its epoch's code is running
+        self._waits_for_epoch = False  # the stop's save waits for the epoch's code (no loader)
         self.reason: str | None = None
         """Why the loop stopped (``"max_updates"``, ``"SIGTERM"``, ...); None until it does."""
         self.stopped_at: int | None = None
@@ -122,10 +123,18 @@ class until:
         """
         if self.reason is not None:
             return True
+        if self._watch:
+            self._pass.watch()
+        if self.max_epochs is not None and not self._epochs_used and self._pass.loader is None:
+            raise RuntimeError(_UNSEEN_EPOCHS.format(self.max_epochs))
         updates = self._boundaries.new()
         if updates is None:
             return False
         reason = self._limit_reached(updates)
+        if reason is None and self.max_epochs is not None and not self._epochs_used:
+            done = self._pass.epochs_done()  # not None: checked above
+            if done is not None and done >= self.max_epochs:
+                reason = "max_epochs"  # the window that ends the last allowed pass
         pooled = bool(self.signals) or self.max_time is not None
         if reason is None and pooled and (self._state.pool_next or updates % self.check_every == 0):
             self._state.pool_next = False
@@ -155,15 +164,20 @@ class until:
     def _stop(self, reason: str, final: bool) -> None:
         self.reason, self.stopped_at = reason, self._boundaries.updates
         ckpt = self.checkpointer
-        if ckpt is not None:
-            # In the loop: a save that falls on an epoch's last window waits for the
-            # epoch's own code (as maybe_save's); after the loop: whatever is not saved yet.
-            if final:
-                ckpt.save_if_needed()
-            else:
-                ckpt.save_at_boundary()
-            # Written now unless deferred to the epoch's end (the same on every rank).
-            self._stop_saved = not ckpt.save_pending
+        if ckpt is None:
+            return
+        # In the loop: a save that falls on an epoch's last window waits for the epoch's
+        # own code (as maybe_save's); after the loop: whatever is not saved yet.
+        if final:
+            ckpt.save_if_needed()
+        elif ckpt.loader is None and self._in_epoch and self._pass.ends_by_iterate():
+            # No loader to defer to, but epochs() knows where the epoch's code ends: it
+            # writes the save there, with the next epoch's number (the same on every rank).
+            self._waits_for_epoch = True
+        else:
+            ckpt.save_at_boundary()
+        # Written now unless deferred to the epoch's end (the same on every rank).
+        self._stop_saved = not (ckpt.save_pending or self._waits_for_epoch)
 
     # -- the epoch loop ---------------------------------------------------------------------
 
@@ -173,21 +187,12 @@ class until:
         With ``loader=`` (a ``loopkit.distributed.loader``) the epochs are the loader's, so
         a resumed run continues its interrupted epoch; without, until counts them.
         """
-        ckpt = self.checkpointer
-        if loader is not None and ckpt is not None and ckpt.loader is not loader:
-            raise ValueError(
-                "epochs(loader) follows this loader's epochs, but the Checkpointer does not "
-                "save it: pass it as Checkpointer(loader=...) too, or a resumed run would "
-                "start its epochs over"
-            )
-        if loader is not None and not isinstance(loader, EpochLoader):
-            raise TypeError(
-                "epochs(loader) takes a loopkit.distributed.loader (which counts its epochs), "
-                f"got {type(loader).__name__}; call epochs() to let until count them"
-            )
+        _check_epochs_loader(loader, self.checkpointer)
         return self._epochs(loader)
 
     def _epochs(self, loader: EpochLoader | None) -> Iterator[int]:
+        self._epochs_used = True
+        epoch = 0
         try:
             while True:
                 epoch = loader.epoch if loader is not None else self._state.epoch
@@ -206,22 +211,33 @@ class until:
                 if self.reason is not None:
                     self.close()
                     return
+                self._pass.new_pass()
+                self._in_epoch = True
                 yield epoch
+                self._in_epoch = False
                 if loader is None:
                     self._state.epoch = epoch + 1
         except GeneratorExit:
             # The epoch loop was left early: by a break or by an exception in its body,
             # which cannot be told apart here, so nothing is saved (a failed epoch's state
             # must not be); the handlers go back. Let epochs() end, or use `with until(...)`.
+            self._in_epoch = False
+            if loader is None and self.reason is not None and not self._stop_saved:
+                # The stop ended the epoch's pass (its save waits for the epoch's end): a
+                # save that `with until(...)` still writes resumes at the next epoch.
+                self._state.epoch = epoch + 1
             self._flag.restore()
             raise
 
     def close(self) -> None:
         """Write a stop's checkpoint if it is not written yet; put the signal handlers back."""
         try:
-            if self.reason is not None and self.checkpointer is not None:
-                if not self._stop_saved:
-                    self.checkpointer.save_if_needed()
+            ckpt = self.checkpointer
+            if self.reason is not None and ckpt is not None and not self._stop_saved:
+                if self._waits_for_epoch:  # the epoch's code has run since the stop
+                    ckpt.save()
+                elif ckpt.save_pending:  # else the loader's next pass already wrote it
+                    ckpt.save_if_needed()
                 self._stop_saved = True
         finally:
             self._flag.restore()
@@ -259,3 +275,58 @@ class until:
         said = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
         sigs = tuple(s.name for s in self.signals)
         return f"loopkit.until({said}, signals={sigs}, reason={self.reason!r})"
+
+
+def _check_limits(max_updates: object, max_epochs: object, check_every: object) -> None:
+    for name, value in (("max_updates", max_updates), ("max_epochs", max_epochs)):
+        if value is not None and not is_int_at_least(value, 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    if not is_int_at_least(check_every, 1):
+        raise ValueError(
+            f"check_every must be an int >= 1 (updates between signal/time checks), "
+            f"got {check_every!r}"
+        )
+
+
+def _check_objects(early_stop: object, checkpointer: object, timer: object, clock: object) -> None:
+    if early_stop is not None and not isinstance(early_stop, EarlyStop):
+        raise TypeError(f"early_stop must be a loopkit.early_stop, got {early_stop!r}")
+    if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
+        raise TypeError(f"checkpointer must be a loopkit.Checkpointer, got {checkpointer!r}")
+    if not callable(timer):
+        raise TypeError("timer must be a callable returning seconds (time.monotonic)")
+    if checkpointer is not None and checkpointer.clock is not clock:
+        if clock is None:
+            which = "until was given no step but its checkpointer saves one"
+        elif checkpointer.clock is None:
+            which = "until follows a step but its checkpointer saves none"
+        else:
+            which = "until and its checkpointer follow different steps"
+        raise ValueError(
+            f"{which}: pass the same step to both (loopkit.until(step, ..., checkpointer=ckpt) "
+            "with Checkpointer(..., step=step)), or none to either in a loop without "
+            "loopkit.step; the stop's checkpoint would miss the counters it stopped at, or "
+            "fall in the middle of a window"
+        )
+
+
+def _check_epochs_loader(loader: object, ckpt: Checkpointer | None) -> None:
+    if loader is not None and ckpt is not None and ckpt.loader is not loader:
+        raise ValueError(
+            "epochs(loader) follows this loader's epochs, but the Checkpointer does not "
+            "save it: pass it as Checkpointer(loader=...) too, or a resumed run would "
+            "start its epochs over"
+        )
+    if loader is not None and not isinstance(loader, EpochLoader):
+        raise TypeError(
+            "epochs(loader) takes a loopkit.distributed.loader (which counts its epochs), "
+            f"got {type(loader).__name__}; call epochs() to let until count them"
+        )
+
+
+_UNSEEN_EPOCHS = (
+    "until(max_epochs={}) cannot see this loop's epochs: loop over `for epoch in "
+    "stop.epochs(loader):` (or stop.epochs() to let until count them), or give the "
+    "loopkit.distributed.loader to its Checkpointer (Checkpointer(loader=...)) so check() "
+    "sees where the passes end; the limit would otherwise be ignored"
+)

@@ -6,6 +6,7 @@ It shards over the ranks, batches with keys (``_seeding``) and returns an
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from collections.abc import Callable, Sized
@@ -41,7 +42,7 @@ def default_num_workers(local_world_size: int | None = None) -> int:
 
 
 # DataLoader arguments loader() sets itself: it shards, batches, keys and seeds the batches.
-_OWN_ARGUMENTS = ("sampler", "batch_sampler", "worker_init_fn", "generator")
+_OWN_ARGUMENTS = ("sampler", "batch_sampler", "generator")
 
 
 def loader(
@@ -56,6 +57,7 @@ def loader(
     pin_memory: bool | None = None,
     persistent_workers: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    worker_init_fn: Callable[[int], object] | None = None,
     **dataloader_kwargs: Any,
 ) -> EpochLoader:
     """A DataLoader set up as the guides advise, sharded across ranks under DDP.
@@ -66,12 +68,15 @@ def loader(
     ``set_epoch`` is called on every pass. Each batch is fetched and collated with the
     python, numpy and torch RNGs set from (``seed``, epoch, rank, batch index), so random
     augmentation does not depend on the workers and resumes exactly. ``seed`` is any
-    integer (numpy integers too) in [-2**63, 2**63 - 1]. Other DataLoader arguments
+    integer (numpy integers too) in [-2**63, 2**63 - 1]. ``worker_init_fn`` (to open a
+    per-worker file handle, say) runs in each worker after loopkit has seeded python's,
+    numpy's and torch's RNGs there (from the loader's generator); each batch is then
+    fetched with the RNGs set from its own key. Other DataLoader arguments
     (``prefetch_factor``, ``timeout``, ...) pass through.
 
-    A ``loopkit.preload`` cache is batched by one index operation per field, with no
-    workers by default; a ``collate_fn`` then receives the whole batch (batch-level
-    augmentation, under the batch's RNG key).
+    A ``loopkit.preload`` cache is batched by one index operation per field
+    (``Preloaded.batch``), with no workers by default; a ``collate_fn`` then receives the
+    whole batch (batch-level augmentation, under the batch's RNG key).
     """
 
     seed = _check_seed(seed)
@@ -91,6 +96,8 @@ def loader(
         )
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise TypeError(f"worker_init_fn must be callable, got {type(worker_init_fn).__name__}")
     here = info()
     if (batch_size is None) == (global_batch_size is None):
         raise TypeError("pass exactly one of batch_size (per process) or global_batch_size")
@@ -128,17 +135,27 @@ def loader(
         base = SeededRandomSampler(len(dataset), seed)
     else:
         base = None
-    batches = KeyedBatches(base, len(dataset), batch_size, drop_last, seed, here.rank)
+    batches = KeyedBatches(
+        base, len(dataset), batch_size, drop_last, seed, here.rank, shuffle=bool(shuffle)
+    )
     # The generator only seeds the workers' own streams now (each batch is reseeded).
     generator = torch.Generator().manual_seed(torch_seed(seed * 1000 + here.rank))
+    fetched = (
+        SeededBatches(dataset, collate_fn or batch_as_is, fetch=dataset.batch)
+        if isinstance(dataset, Preloaded)
+        else SeededBatches(dataset, collate_fn or _default_collate)
+    )
     dl = DataLoader(
-        SeededBatches(dataset, collate_fn or (batch_as_is if preloaded else _default_collate)),
+        fetched,
         batch_sampler=batches,
         collate_fn=collated,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=persistent_workers,
-        worker_init_fn=seed_worker if num_workers > 0 else None,
+        # A partial of module-level functions: picklable for workers started by spawn.
+        worker_init_fn=functools.partial(seed_worker, then=worker_init_fn)
+        if num_workers > 0
+        else None,
         generator=generator,
         **dataloader_kwargs,
     )

@@ -93,9 +93,9 @@ class EpochLoader:
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where the current pass stands: its epoch and the batches ``consumed`` so far.
 
-        Also records the data set's length, the batch size and the batches per pass, so a
-        resume with other data is refused instead of repeating some samples and skipping
-        others.
+        Also records the data set's length, the batch size, the batches per pass, the seed
+        and whether it shuffles, so a resume with other data, or mid-pass with another
+        order, is refused instead of repeating some samples and skipping others.
         """
         p = self._progress
         position = p.position if consumed is None else consumed
@@ -107,6 +107,8 @@ class EpochLoader:
             "samples": self.batches.samples,
             "batch_size": self.batches.batch_size,
             "batches": len(self.loader),
+            "seed": self.batches.seed,
+            "shuffle": self.batches.shuffle,
         }
         generator = self.loader.generator
         if generator is not None:
@@ -155,6 +157,8 @@ class EpochLoader:
                 f"the loader state's position {state['position']} is past the end of a pass of "
                 f"{state['batches']} batches"
             )
+        if 0 < state["position"] < state["batches"]:
+            self._check_order(state)
         generator = self.loader.generator
         saved = state.get("generator")
         if saved is not None and generator is not None:
@@ -169,6 +173,28 @@ class EpochLoader:
                 raise ValueError(
                     f"the loader state's 'generator' is not a valid state: {err}"
                 ) from err
+
+    def _check_order(self, state: Mapping[str, Any]) -> None:
+        """Refuse a mid-pass state whose pass was drawn in another order than this loader's."""
+        here = {"seed": self.batches.seed, "shuffle": self.batches.shuffle}
+        # A state saved before these were recorded says nothing of them: not checked.
+        saved = {k: state[k] for k in here if k in state}
+        for key, value in saved.items():
+            if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"the loader state's 'seed' must be an int, got {value!r}")
+            if key == "shuffle" and not isinstance(value, bool):
+                raise ValueError(f"the loader state's 'shuffle' must be a bool, got {value!r}")
+        differ = [k for k in saved if saved[k] != here[k]]
+        if differ:
+            said = ", ".join(f"{k}={saved[k]!r}" for k in differ)
+            now = ", ".join(f"{k}={here[k]!r}" for k in differ)
+            raise ValueError(
+                f"the state was saved mid-pass ({state['position']} of {state['batches']} "
+                f"batches) by a loader with {said}, but this loader has {now}: the rest of the "
+                f"pass would come in another order (repeating some samples, skipping others) "
+                f"or with other random augmentation. Build the loader with {said} to resume "
+                "(another order can start at a pass's boundary)"
+            )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state_dict`` left off: the same epoch, the next batch.

@@ -1,27 +1,27 @@
 """loopkit.preload: the deterministic part of a data pipeline, run once into a shared cache.
 
 The items (after ``transform``: decode, resize, tokenize) are stored as one file per field
-of a directory, fixed-shape fields as ``[N, *shape]`` in their own dtype (uint8 stays
-uint8), variable-length ones as one flat buffer plus offsets. Every process and every
-loader worker maps the same files (``torch.from_file``), so the page cache holds one copy
-per node, whatever the number of ranks and workers.
+of a directory (``_cache_files``), fixed-shape fields as ``[N, *shape]`` in their own dtype
+(uint8 stays uint8, bfloat16 stays bfloat16, a Python float is a float64), fields whose
+sizes vary as the items' elements one after another with each item's offset and shape.
+Every process and every loader worker maps the same files (``torch.from_file``), so the
+page cache holds one copy per node, whatever the number of ranks and workers; what a
+``Preloaded`` hands out (an item, a batch) is a copy, never a view of the mapping.
 
-The directory's name carries the data set's fingerprint (length, the fields' shapes and
-dtypes, a hash of a spread sample of items, the transform's name or ``key=``), so a
-changed data set never reuses an old cache: it gets a new one. A build writes into a
-temporary directory and renames it into place when complete; a build killed half-way
-leaves only a temporary directory that is never opened (and is removed by the next build).
-Under ``torchrun`` one process per node (local rank 0) builds; the others wait, then map it.
+The directory's name carries the data set's fingerprint (``_fields``: length, the fields'
+shapes and dtypes, a hash of a spread sample of items, the transform's name or ``key=``),
+so a changed data set never reuses an old cache: it gets a new one. A build writes into a
+temporary directory and renames it into place when complete, under a lock that makes a
+second builder of the same cache wait and then open it. The default root is private to
+the user, and a cache someone else could have written is refused (``_cache_trust``).
+Under ``torchrun`` one process per node (local rank 0) builds or opens it; the others
+wait without a collective's timeout (``_cache_handoff``), then map it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
+import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import Any
@@ -32,148 +32,147 @@ from torch.utils.data import Dataset, get_worker_info
 
 from .. import _ranks
 from .._job import info
-
-FORMAT = 1
-_SAMPLED = 16  # items hashed for the fingerprint, spread over the data set
-_SHM = Path("/dev/shm")
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One field of every item: its dtype, and its shape (None where the length varies)."""
-
-    dtype: str
-    shape: tuple[int, ...] | None
-
-
-def as_tensors(item: object) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """An item's fields as tensors, and whether the item was a single tensor (not a tuple).
-
-    Tensors, numpy arrays, array-likes (a PIL image), ints, floats and bools are taken.
-    """
-    single = not isinstance(item, (tuple, list))
-    parts = (item,) if single else tuple(item)  # type: ignore[arg-type]  # checked: a sequence
-    out = []
-    for i, part in enumerate(parts):
-        if isinstance(part, torch.Tensor):
-            out.append(part.detach().cpu().contiguous())
-        elif isinstance(part, (bool, int, float, np.generic)):
-            out.append(torch.as_tensor(part))
-        elif isinstance(part, np.ndarray) or hasattr(part, "__array_interface__"):
-            out.append(torch.from_numpy(np.ascontiguousarray(np.asarray(part))))
-        else:
-            raise TypeError(
-                f"preload stores tensors, arrays and numbers; field {i} of an item is a "
-                f"{type(part).__name__}: make transform return tensors (e.g. decoded images)"
-            )
-    return tuple(out), single
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def fingerprint(
-    dataset: Sized, get: Callable[[int], tuple[torch.Tensor, ...]], key: str
-) -> tuple[str, list[Field]]:
-    """The cache's name-giving hash, and the fields as a spread sample of items shows them."""
-    n = len(dataset)
-    if n == 0:
-        raise ValueError("preload got an empty data set: there is nothing to store")
-    picks = sorted({round(i * (n - 1) / max(_SAMPLED - 1, 1)) for i in range(min(n, _SAMPLED))})
-    h = hashlib.sha256(f"loopkit-preload/{FORMAT}/{key}/{n}".encode())
-    fields: list[Field] | None = None
-    for i in picks:
-        parts = get(i)
-        if fields is None:
-            fields = [Field(_dtype_name(p), tuple(p.shape)) for p in parts]
-        elif len(parts) != len(fields):
-            raise ValueError(f"item {i} has {len(parts)} fields, item 0 has {len(fields)}")
-        for j, p in enumerate(parts):
-            f = fields[j]
-            if _dtype_name(p) != f.dtype:
-                raise ValueError(f"field {j}: item {i} is {p.dtype}, item 0 is torch.{f.dtype}")
-            if f.shape is not None and tuple(p.shape) != f.shape:
-                fields[j] = Field(f.dtype, None)  # its length varies: stored flat
-            h.update(f"{i}:{j}:{p.dtype}:{tuple(p.shape)}".encode())
-            h.update(p.numpy().tobytes())
-    assert fields is not None
-    for j, f in enumerate(fields):
-        h.update(f"{j}:{f}".encode())
-    return h.hexdigest()[:20], fields
+from . import _cache_files
+from ._cache_files import check_sizes, complete, read_meta
+from ._cache_handoff import Announcer, job_token, wait_for
+from ._cache_trust import check_cache, check_root, default_roots, make_root
+from ._fields import Field, Survey, as_tensors, fingerprint
 
 
 class Preloaded(Dataset[Any]):
     """A preloaded data set: items come from memory-mapped tensors, a batch in one index.
 
-    ``cache[i]`` is item i (as the transform returned it, as tensors);
-    ``cache.__getitems__(indices)`` is a whole batch: each fixed-shape field indexed once
-    (``tensors[j][indices]``), a variable-length one as a list of tensors.
-    ``loopkit.distributed.loader(cache, batch_size=...)`` batches it that way.
+    ``cache[i]`` is item i (as the transform returned it, as tensors). ``cache.batch(
+    indices)`` is a whole batch: each fixed-shape field indexed once (``tensors[j][indices]``),
+    a field whose sizes vary as a list of tensors; ``loopkit.distributed.loader(cache,
+    batch_size=...)`` batches it that way. ``__getitems__`` keeps torch's contract (a list
+    of items), so a plain ``DataLoader`` gives the batches it gives over the data set.
+    Items and batches are copies: changing one in place never changes the cache.
     """
 
-    def __init__(self, path: Path, built: bool) -> None:
-        meta = json.loads((path / "meta.json").read_text())
+    def __init__(self, path: Path, built: bool, *, verify: bool = False) -> None:
+        meta = read_meta(path)
         self.path = path
         self.built = built
         """Whether this process built the cache (False: it opened one already there)."""
         self.fingerprint: str = meta["fingerprint"]
         self.single: bool = meta["single"]
         self._n: int = meta["length"]
-        self.fields = [Field(f["dtype"], None if f["shape"] is None else tuple(f["shape"]))
-                       for f in meta["fields"]]  # fmt: skip
+        self.fields = [Field(f["dtype"], None if f["shape"] is None else tuple(f["shape"]),
+                             f["ndim"]) for f in meta["fields"]]  # fmt: skip
         self.tensors: list[torch.Tensor] = []
         self.offsets: list[torch.Tensor | None] = []
+        """Per field whose sizes vary: where each item starts in ``tensors[j]`` (N + 1)."""
+        self.shapes: list[torch.Tensor | None] = []
+        """Per field whose sizes vary: each item's shape, ``[N, ndim]``."""
+        n = self._n
+        sizes = {f"field{j}.{s}": n * f.ndim * 8 if s == "shapes" else (n + 1) * 8
+                 for j, f in enumerate(self.fields) if f.shape is None
+                 for s in ("offsets", "shapes")}  # fmt: skip
+        check_sizes(path, sizes)
         for j, f in enumerate(self.fields):
-            dtype = getattr(torch, f.dtype)
-            if f.shape is not None:
-                numel = self._n * int(np.prod(f.shape, dtype=np.int64))
-                data = _mapped(path / f"field{j}.bin", numel, dtype)
-                self.tensors.append(data.view(self._n, *f.shape))
-                self.offsets.append(None)
-            else:
-                offsets = _mapped(path / f"field{j}.offsets", self._n + 1, torch.int64)
-                self.tensors.append(_mapped(path / f"field{j}.bin", int(offsets[-1]), dtype))
+            if f.shape is None:
+                offsets = _mapped(path / f"field{j}.offsets", (n + 1) * 8).view(torch.int64)
                 self.offsets.append(offsets)
+                shapes = _mapped(path / f"field{j}.shapes", n * f.ndim * 8).view(torch.int64)
+                self.shapes.append(shapes.view(n, f.ndim))
+                sizes[f"field{j}.bin"] = int(offsets[-1]) * f.element_size
+            else:
+                self.offsets.append(None)
+                self.shapes.append(None)
+                sizes[f"field{j}.bin"] = n * int(np.prod(f.shape, dtype=np.int64)) * f.element_size
+        check_sizes(path, sizes)
+        if verify:
+            _cache_files.verify(path, meta, sorted(sizes))
+        # Each field's bytes (a row per item where the shape is fixed): batches are made by
+        # indexing bytes, which works for every dtype (index_select lacks some, uint16...).
+        self._bytes: list[torch.Tensor] = []
+        for j, f in enumerate(self.fields):
+            raw = _mapped(path / f"field{j}.bin", sizes[f"field{j}.bin"])
+            if f.shape is None:
+                self._bytes.append(raw)
+                self.tensors.append(raw.view(f.torch_dtype))
+            else:
+                self._bytes.append(raw.view(n, sizes[f"field{j}.bin"] // max(n, 1)))
+                self.tensors.append(raw.view(f.torch_dtype).view(n, *f.shape))
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds (all fields, offsets included)."""
-        total = sum(t.numel() * t.element_size() for t in self.tensors)
-        return total + sum(o.numel() * 8 for o in self.offsets if o is not None)
+        """Bytes the cache holds (all fields, offsets and shapes included)."""
+        index = [t for t in (*self.offsets, *self.shapes) if t is not None]
+        return sum(t.numel() * t.element_size() for t in (*self.tensors, *index))
 
     def __len__(self) -> int:
         return self._n
 
-    def _field(self, j: int, index: int) -> torch.Tensor:
-        offsets = self.offsets[j]
-        if offsets is None:
-            return self.tensors[j][index]
-        return self.tensors[j][int(offsets[index]) : int(offsets[index + 1])]
+    def _item_field(self, j: int, index: int) -> torch.Tensor:
+        f, offsets, shapes = self.fields[j], self.offsets[j], self.shapes[j]
+        if offsets is None or shapes is None:
+            assert f.shape is not None
+            return self._bytes[j][index].clone().view(f.torch_dtype).view(f.shape)
+        size = f.element_size
+        start, end = int(offsets[index]) * size, int(offsets[index + 1]) * size
+        item = self._bytes[j][start:end].clone().view(f.torch_dtype)
+        return item.view(shapes[index].tolist())
 
     def __getitem__(self, index: int) -> Any:
         if not -self._n <= index < self._n:
             raise IndexError(f"index {index} out of range for {self._n} items")
         index %= self._n
-        parts = tuple(self._field(j, index) for j in range(len(self.fields)))
+        parts = tuple(self._item_field(j, index) for j in range(len(self.fields)))
         return parts[0] if self.single else parts
 
-    def __getitems__(self, indices: Sequence[int]) -> Any:
+    def batch(self, indices: Sequence[int]) -> Any:
         """A batch: one index operation per fixed-shape field, no per-sample Python."""
-        idx = torch.as_tensor(list(indices), dtype=torch.int64)
         # In a loader worker the batch is written straight into shared memory, as
         # default_collate does: sending it to the main process then copies nothing.
-        in_worker = get_worker_info() is not None
+        return self._batch(indices, shared=get_worker_info() is not None)
+
+    def _batch(self, indices: Sequence[int], shared: bool) -> Any:
+        idx = torch.as_tensor(list(indices), dtype=torch.int64).reshape(-1)
+        low, high = (int(idx.min()), int(idx.max())) if len(idx) else (0, 0)
+        if len(idx) and not -self._n <= low <= high < self._n:
+            raise IndexError(f"an index of {list(indices)} is out of range for {self._n} items")
+        if low < 0:
+            idx = idx % self._n
         parts: list[Any] = []
-        for j, t in enumerate(self.tensors):
-            if self.offsets[j] is None:
-                out = torch.empty((len(idx), *t.shape[1:]), dtype=t.dtype)
-                if in_worker:
-                    out.share_memory_()  # type: ignore[no-untyped-call]  # untyped in torch
-                parts.append(torch.index_select(t, 0, idx, out=out))
-            else:
-                parts.append([self._field(j, int(i)) for i in idx])
+        for j, f in enumerate(self.fields):
+            if f.shape is None:
+                parts.append(self._ragged(j, idx, shared))
+                continue
+            rows = self._bytes[j]
+            out = torch.empty((len(idx), rows.shape[1]), dtype=torch.uint8)
+            if shared:
+                out.share_memory_()  # type: ignore[no-untyped-call]  # untyped in torch
+            torch.index_select(rows, 0, idx, out=out)
+            if rows.shape[1] == 0:  # items without elements: no bytes to view as the dtype
+                out = torch.empty(0, dtype=torch.uint8)
+            parts.append(out.view(f.torch_dtype).view(len(idx), *f.shape))
         return parts[0] if self.single else tuple(parts)
+
+    def _ragged(self, j: int, idx: torch.Tensor, shared: bool) -> list[torch.Tensor]:
+        """The items of a field whose sizes vary: views of one fresh buffer, not of the cache."""
+        f, offsets, shapes, flat = self.fields[j], self.offsets[j], self.shapes[j], self._bytes[j]
+        assert offsets is not None and shapes is not None
+        size = f.element_size
+        starts = (offsets[idx] * size).tolist()
+        numels = offsets[idx + 1] - offsets[idx]
+        lengths = (numels * size).tolist()
+        out = torch.empty(sum(lengths), dtype=torch.uint8)
+        if shared:
+            # One shared buffer (not the mapped file, which a worker cannot send).
+            out.share_memory_()  # type: ignore[no-untyped-call]  # untyped in torch
+        if lengths:
+            torch.cat([flat[s : s + k] for s, k in zip(starts, lengths, strict=True)], out=out)
+        pieces = torch.split_with_sizes(out.view(f.torch_dtype), numels.tolist())
+        return [p.view(s) for p, s in zip(pieces, shapes[idx].tolist(), strict=True)]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The items ``indices`` (torch's contract: a list of samples, collated after)."""
+        batch = self._batch(indices, shared=False)
+        columns = [f.unbind(0) if isinstance(f, torch.Tensor) else f
+                   for f in ((batch,) if self.single else batch)]  # fmt: skip
+        return [row[0] if self.single else row for row in zip(*columns, strict=True)]
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A worker started by spawn maps the files again instead of receiving a copy.
@@ -184,16 +183,17 @@ class Preloaded(Dataset[Any]):
 
 
 def batch_as_is(batch: Any) -> Any:
-    """The collate of a preloaded data set: its ``__getitems__`` returns the batch itself."""
+    """The collate of a preloaded data set: its ``batch`` returns the batch itself."""
     return batch
 
 
-def _mapped(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _mapped(path: Path, nbytes: int) -> torch.Tensor:
+    """The file's bytes, mapped: viewed as any dtype (bfloat16, float8, ...) bit for bit."""
     # shared=False maps the file copy-on-write: no process can change the cache, and pages
     # nobody writes stay the page cache's single copy (shared by every process and worker).
-    if numel == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.from_file(str(path), shared=False, size=numel, dtype=dtype)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
 
 
 def preload(
@@ -202,15 +202,22 @@ def preload(
     *,
     transform: Callable[[Any], Any] | None = None,
     key: str | None = None,
+    trust_shared_cache: bool = False,
+    verify: bool | None = None,
 ) -> Preloaded:
     """Run ``transform`` over every item once and map the result; see the module docstring.
 
-    ``cache`` is a directory (default ``/dev/shm/loopkit-preload``, RAM-backed, when it has
-    room, else ``loopkit-preload`` in the temporary directory); the cache goes in a
-    subdirectory named by ``key`` (default: the data set's and transform's names) and the
-    fingerprint. Under torchrun every rank calls it: local rank
-    0 builds, the others wait and map the same files. Raises OSError before writing
-    anything if the directory has no room for it, saying how many bytes are needed where.
+    ``cache`` is a directory (default ``/dev/shm/loopkit-preload-<uid>``, RAM-backed, when
+    it has room, else ``loopkit-preload-<uid>`` in the temporary directory, both mode 0700);
+    the cache goes in a subdirectory named by ``key`` (default: the data set's and
+    transform's names) and the fingerprint. A root or cache that another user owns or
+    that group or others can write is refused (PermissionError) unless
+    ``trust_shared_cache=True``. ``verify`` checks a cache this call did not build against
+    the sha256 of each file written at its build (default: only with
+    ``trust_shared_cache``). Under torchrun every rank calls it: local rank 0 builds or
+    opens, the others wait (however long) and map the same files; if it fails, every rank
+    raises. Raises OSError before writing anything if the directory has no room for it,
+    saying how many bytes are needed where; ValueError for an empty data set.
     """
     if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
         raise TypeError("preload needs a map-style data set (__len__ and __getitem__)")
@@ -218,45 +225,167 @@ def preload(
         raise TypeError(f"transform must be callable, got {type(transform).__name__}")
     if key is not None and (not isinstance(key, str) or not key or "/" in key):
         raise ValueError(f"key must be a non-empty name without '/', got {key!r}")
+    if not isinstance(trust_shared_cache, bool):
+        raise TypeError(f"trust_shared_cache must be a bool, got {trust_shared_cache!r}")
+    if verify is not None and not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool or None, got {verify!r}")
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(
+            "preload got an empty data set (len 0): there is nothing to store; preload the "
+            "data set once it has items"
+        )
+    default = cache is None
+    roots = [Path(cache)] if cache is not None else default_roots()
+    job = info()
+    builder = job.local_rank == 0
+    token = job_token()  # the one collective, as every rank starts: nothing slow before it
     name = key or _default_key(dataset, transform)
 
     def get(i: int) -> tuple[torch.Tensor, ...]:
         item = dataset[i]
         return as_tensors(transform(item) if transform is not None else item)[0]
 
-    first = dataset[0]
-    single = as_tensors(transform(first) if transform is not None else first)[1]
-    fp, fields = fingerprint(dataset, get, name)
-    places = [root / f"{name}-{fp}" for root in _roots(cache)]
-    final = next((p for p in places if _complete(p)), None)
-    if final is None:
-        # RAM (/dev/shm) when it has room, else the temporary directory (disk).
-        needed = _needed_bytes(dataset, get, fields) if len(places) > 1 else 0
-        final = next((p for p in places[:-1] if _free(p.parent) >= needed), places[-1])
+    opening = _Opening(n, get, name, roots, default, trust_shared_cache,
+                       trust_shared_cache if verify is None else verify)  # fmt: skip
+    announcer = Announcer(roots[0], name, token) if builder and token else None
     failure: Exception | None = None
-    built = False
-    if _local_rank() == 0 and not _complete(final):
-        try:
-            _build(dataset, get, fields, single, fp, final)
-            built = True
-        except Exception as err:  # every rank must learn of it (below), then it is raised
-            failure = err
-    # One exchange: nobody maps before the builders are done, and all raise if one failed.
-    said = None if failure is None else f"{type(failure).__name__}: {failure}"
-    reports = _ranks.gather_objects(said)
+    cache_: Preloaded | None = None
+    try:  # from here on, a failure on any rank reaches every rank (_agree)
+        for root in roots:
+            check_root(root, default=default, trust=trust_shared_cache)
+        if builder:  # where this call's handoff file goes (the others wait for it)
+            make_root(roots[0], default=default, trust=trust_shared_cache)
+        if announcer is not None:
+            announcer.say("working")
+        if builder:
+            first = dataset[0]
+            single = as_tensors(transform(first) if transform is not None else first)[1]
+            cache_ = opening.open_or_build(fingerprint(n, get, name), single)
+        else:
+            # The node's builder posts its outcome when it is done: a failure it could not
+            # write into the handoff file (no root) still reaches this rank from there.
+            builder_rank = job.rank - job.local_rank  # torchrun numbers a node's ranks in a row
+            cache_ = _waited(n, get, name, roots[0], token, builder_rank)
+        if announcer is not None:
+            announcer.say("ready", path=str(cache_.path))
+    except Exception as err:  # every rank must learn of it (below), then it is raised
+        failure = err
+        if announcer is not None:
+            with contextlib.suppress(OSError):
+                announcer.say("failed", error=f"{type(err).__name__}: {err}")
+    if token:
+        _agree(failure, announcer, token, job.rank, job.world_size)
     if failure is not None:
         raise failure
-    failed = [(r, e) for r, e in enumerate(reports) if e is not None]
-    if failed:
-        rank, what = failed[0]
-        raise RuntimeError(f"preload: rank {rank} could not build the cache: {what}")
-    final = next((p for p in places if _complete(p)), final)  # where the builder put it
-    if not _complete(final):
+    assert cache_ is not None
+    return cache_
+
+
+def _waited(
+    n: int,
+    get: Callable[[int], tuple[torch.Tensor, ...]],
+    name: str,
+    where: Path,
+    token: str,
+    builder_rank: int,
+) -> Preloaded:
+    """A waiting rank's part: its own fingerprint, then local rank 0's cache, mapped."""
+    own: Exception | None = None
+    try:
+        survey = fingerprint(n, get, name)
+    except Exception as err:  # raised once local rank 0 is done: all meet in the exchange
+        own = err
+    path = wait_for(where, name, token, lambda: _ranks.read_post(_outcome(token, builder_rank)))
+    if own is not None:
+        raise own
+    if path.name != f"{name}-{survey.fingerprint}":
         raise RuntimeError(
-            f"preload: {final} is not there after the build: every process of a node must "
-            "see the same cache directory (pass cache= a node-local or shared path)"
+            f"preload: local rank 0 made the cache {path}, but this rank's data set has the "
+            f"fingerprint {survey.fingerprint}: every rank must preload the same data set"
         )
-    return Preloaded(final, built)
+    return Preloaded(path, built=False)
+
+
+def _outcome(token: str, rank: int) -> str:
+    return f"preload/{token}/outcome/{rank}"
+
+
+def _agree(
+    failure: Exception | None, announcer: Announcer | None, token: str, rank: int, world: int
+) -> None:
+    """Every rank's outcome, once all have one: all raise if one failed.
+
+    Through the job's store, not a collective: on another node a build may still be running
+    (a fresh node without the cache), and a collective would time out waiting for it.
+    """
+    said = "" if failure is None else f"{type(failure).__name__}: {failure}"
+    _ranks.post(_outcome(token, rank), said)
+    try:
+        reports = _ranks.wait_posts([_outcome(token, r) for r in range(world)])
+    except Exception:
+        if failure is not None:
+            raise failure from None  # this rank's own error says more than the exchange's
+        raise
+    finally:
+        if announcer is not None:
+            announcer.remove()
+    failed = [(r, e) for r, e in enumerate(reports) if e]
+    if failure is None and failed:
+        r, what = failed[0]
+        raise RuntimeError(f"preload: rank {r} could not build or open the cache: {what}")
+
+
+class _Opening:
+    """Local rank 0's part: find the cache (and check it), or build it under the lock."""
+
+    def __init__(
+        self,
+        n: int,
+        get: Callable[[int], tuple[torch.Tensor, ...]],
+        name: str,
+        roots: list[Path],
+        default: bool,
+        trust: bool,
+        verify: bool,
+    ) -> None:
+        self.n, self.get, self.name, self.roots = n, get, name, roots
+        self.default, self.trust, self.verify = default, trust, verify
+
+    def _found(self, places: list[Path], survey: Survey) -> Preloaded | None:
+        """The complete cache at one of ``places``, checked, or None."""
+        path = next((p for p in places if complete(p)), None)
+        if path is None:
+            return None
+        if not self.trust:
+            check_cache(path)
+        opened = Preloaded(path, built=False, verify=self.verify)
+        if (opened.fingerprint, len(opened)) != (survey.fingerprint, self.n):
+            raise RuntimeError(
+                f"preload: the cache {path} holds {len(opened)} items of fingerprint "
+                f"{opened.fingerprint}, not {self.n} of {survey.fingerprint} as its name "
+                f"says: delete it to rebuild it"
+            )
+        return opened
+
+    def open_or_build(self, survey: Survey, single: bool) -> Preloaded:
+        places = [root / f"{self.name}-{survey.fingerprint}" for root in self.roots]
+        found = self._found(places, survey)
+        if found is not None:
+            return found
+        # RAM (/dev/shm) when it has room, else the temporary directory (disk).
+        needed = _cache_files.needed_bytes(self.n, survey) if len(places) > 1 else 0
+        final = next((p for p in places[:-1] if _cache_files.free_bytes(p.parent) >= needed),
+                     places[-1])  # fmt: skip
+        make_root(final.parent, default=self.default, trust=self.trust)
+        with _cache_files.build_lock(final.parent, final.name) as locked:
+            found = self._found(places, survey)  # another process built it while we waited
+            if found is not None:
+                return found
+            if locked:  # no live builder holds them: a killed build's leftovers
+                _cache_files.remove_leftovers(final.parent, final.name)
+            _cache_files.write(self.n, self.get, survey, single, final)
+        return Preloaded(final, built=True)
 
 
 def _default_key(dataset: object, transform: object) -> str:
@@ -264,119 +393,3 @@ def _default_key(dataset: object, transform: object) -> str:
     if transform is not None:
         parts.append(getattr(transform, "__qualname__", type(transform).__qualname__))
     return "-".join(p.replace("<", "").replace(">", "").replace(".", "_") for p in parts)
-
-
-def _roots(cache: str | os.PathLike[str] | None) -> list[Path]:
-    """Where the cache may be: ``cache``, or /dev/shm's (if writable) then the temp dir's."""
-    if cache is not None:
-        return [Path(cache)]
-    places = [Path(tempfile.gettempdir()) / "loopkit-preload"]
-    if _SHM.is_dir() and os.access(_SHM, os.W_OK):
-        places.insert(0, _SHM / "loopkit-preload")
-    return places
-
-
-def _free(directory: Path) -> int:
-    """Free bytes where ``directory`` is (or would be created)."""
-    while not directory.exists() and directory != directory.parent:
-        directory = directory.parent
-    return shutil.disk_usage(directory).free
-
-
-def _local_rank() -> int:
-
-    return info().local_rank
-
-
-def _complete(path: Path) -> bool:
-    return (path / "meta.json").is_file()
-
-
-def _needed_bytes(dataset: Sized, get: Callable[[int], tuple[torch.Tensor, ...]],
-                  fields: list[Field]) -> int:  # fmt: skip
-    """Bytes the cache will take: exact for fixed shapes, estimated from a sample otherwise."""
-    n = len(dataset)
-    total = 0
-    sample: list[tuple[torch.Tensor, ...]] | None = None
-    for j, f in enumerate(fields):
-        size = torch.empty((), dtype=getattr(torch, f.dtype)).element_size()
-        if f.shape is not None:
-            total += n * int(np.prod(f.shape, dtype=np.int64)) * size
-            continue
-        if sample is None:
-            sample = [get(round(i * (n - 1) / 15)) for i in range(min(n, 16))]
-        mean = sum(p[j].numel() for p in sample) / len(sample)
-        total += int(mean * n * 1.25) * size + (n + 1) * 8  # a margin for the estimate
-    return total
-
-
-def _build(
-    dataset: Sized,
-    get: Callable[[int], tuple[torch.Tensor, ...]],
-    fields: list[Field],
-    single: bool,
-    fp: str,
-    final: Path,
-) -> None:
-    """Write the cache into a temporary directory and rename it into place when complete."""
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    needed = _needed_bytes(dataset, get, fields)
-    free = shutil.disk_usage(root).free
-    if needed > free:
-        raise OSError(
-            f"preload needs {needed:,} bytes ({needed / 2**30:.2f} GiB) in {root} but only "
-            f"{free:,} are free: pass cache= a directory with room, or free space there"
-        )
-    for stale in root.glob(f".{final.name}.tmp-*"):  # a killed build's leftovers
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        n = len(dataset)
-        files = [open(tmp / f"field{j}.bin", "wb") for j in range(len(fields))]  # noqa: SIM115
-        offsets = [[0] if f.shape is None else None for f in fields]
-        try:
-            for i in range(n):
-                parts = get(i)
-                if len(parts) != len(fields):
-                    raise ValueError(f"item {i} has {len(parts)} fields, not {len(fields)}")
-                for j, (p, f) in enumerate(zip(parts, fields, strict=True)):
-                    if _dtype_name(p) != f.dtype:
-                        raise ValueError(
-                            f"field {j} of item {i} is {p.dtype}, not torch.{f.dtype}"
-                        )
-                    if f.shape is not None and tuple(p.shape) != f.shape:
-                        raise ValueError(
-                            f"field {j} of item {i} has shape {tuple(p.shape)}, the sampled "
-                            f"items {f.shape}: a field whose shape varies must vary in the "
-                            "sample too (or give it one shape in transform)"
-                        )
-                    files[j].write(p.numpy().tobytes())
-                    off = offsets[j]
-                    if off is not None:
-                        off.append(off[-1] + p.numel())
-        finally:
-            for fh in files:
-                fh.flush()
-                os.fsync(fh.fileno())
-                fh.close()
-        for j, off in enumerate(offsets):
-            if off is not None:
-                (tmp / f"field{j}.offsets").write_bytes(np.asarray(off, dtype=np.int64).tobytes())
-        meta = {
-            "format": FORMAT,
-            "fingerprint": fp,
-            "length": n,
-            "single": single,
-            "fields": [dataclasses.asdict(f) for f in fields],
-        }
-        # meta.json is what makes a cache complete, and only the final name is ever opened.
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _complete(final):  # not a builder on another node that got there first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -91,11 +91,15 @@ class KeyedBatches(Sampler[list[int]]):
         drop_last: bool,
         seed: int,
         rank: int,
+        *,
+        shuffle: bool = True,
     ) -> None:
         self.base = base
         self.dataset_length = dataset_length
         self.batch_size = batch_size
         self.drop_last = drop_last
+        self.shuffle = shuffle
+        """Whether the base sampler shuffles (the order then depends on ``seed``)."""
         self.seed, self.rank, self.epoch = seed, rank, 0
         self.skip = 0
 
@@ -131,11 +135,21 @@ class KeyedBatches(Sampler[list[int]]):
 
 
 class SeededBatches(Dataset[Any]):
-    """The user's dataset, fetched and collated one whole batch at a time under its key."""
+    """The user's dataset, fetched and collated one whole batch at a time under its key.
 
-    def __init__(self, dataset: Dataset[Any], collate: Callable[[list[Any]], Any]) -> None:
+    ``fetch`` makes a batch of indices (a preloaded cache's ``batch``); by default the
+    dataset's ``__getitems__`` or one ``dataset[i]`` per index.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        collate: Callable[[Any], Any],
+        fetch: Callable[[list[int]], Any] | None = None,
+    ) -> None:
         self.dataset = dataset
         self.collate = collate
+        self.fetch = fetch
 
     def __len__(self) -> int:
         return len(cast("Sized", self.dataset))  # loader() takes only datasets with __len__
@@ -152,7 +166,9 @@ class SeededBatches(Dataset[Any]):
         with seeded_rngs(key):
             return self.collate(self._fetch(batch))
 
-    def _fetch(self, batch: list[int]) -> list[Any]:
+    def _fetch(self, batch: list[int]) -> Any:
+        if self.fetch is not None:
+            return self.fetch(list(batch))
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             items: list[Any] = getitems(list(batch))  # the dataset's own batched fetch
@@ -165,12 +181,24 @@ def collated(batch: T) -> T:
     return batch
 
 
-def seed_worker(worker_id: int) -> None:
-    # Code a worker runs outside a batch (a worker_init_fn of the dataset's own) still gets
-    # reproducible numpy and random streams, from the worker's seeded torch seed.
+def seed_worker(worker_id: int, then: Callable[[int], object] | None = None) -> None:
+    """A worker's init: seed numpy and random from its torch seed, then run ``then``.
+
+    Code a worker runs outside a batch (the user's ``worker_init_fn``, given as ``then``)
+    gets reproducible streams; each batch is then fetched under its own key anyway.
+    """
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    info = get_worker_info()
+    if info is not None and isinstance(info.dataset, SeededBatches):
+        # get_worker_info().dataset is where PyTorch's documented pattern opens a worker's
+        # handles (``info.dataset.h5 = h5py.File(...)``): show the user's dataset, not our
+        # wrapper. WorkerInfo refuses assignment once built; the workers' fetch loop keeps
+        # its own reference to the wrapper, so only what user code sees changes.
+        object.__setattr__(info, "dataset", info.dataset.dataset)
+    if then is not None:
+        then(worker_id)
 
 
 class SeededRandomSampler(Sampler[int]):

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import _ranks
+from .._sync_points import expected_sync
 from .._types import SyncKind
 
 try:  # FSDP2, public since torch 2.6
@@ -136,17 +137,35 @@ def _fsdp2_requires_sync(module: Any) -> bool:
     return all(g.reduce_grads for g in groups) if groups else True
 
 
+def divides_first(ddp: Any) -> bool:
+    """Whether DDP divides a bucket by the world size before reducing it: only with no comm hook.
+
+    DDP's reducer multiplies each gradient by ``1 / world`` as it copies it into its bucket
+    when no hook is registered, then all-reduces by sum; any registered hook, a Python one
+    (``register_comm_hook``: ``allreduce_hook``, the fp16/bf16 compression hooks, PowerSGD)
+    or a built-in C++ one (``_register_builtin_comm_hook``: ALLREDUCE, FP16_COMPRESS), gets
+    the undivided bucket and averages by itself. Built-in hooks leave no trace in
+    ``_comm_hooks``; DDP's logger records the name of every registered hook.
+    """
+    if getattr(ddp, "_comm_hooks", None):
+        return False
+    if getattr(ddp, "logger", None) is None:
+        return True
+    return "comm_hook" not in ddp._get_ddp_logging_data()
+
+
 def sync_grads_now(model: nn.Module, extras: Sequence[float] = ()) -> list[float]:
     """All-reduce (average) the local gradients of a DDP model through DDP's own buckets.
 
     Used when a window's gradients are still local at its end: a ragged window closed by
     ``flush()``, a final micro-step without backward, a micro-step with several backward
     passes. Each of DDP's buckets is filled with the gradients (zeros where a parameter has
-    none) and sent through the model's comm hook, exactly as DDP's backward would (a custom
-    hook, such as fp16 compression, applies too). Gradients are aligned by parameter: ranks
-    whose forwards used different parameters (``find_unused_parameters=True``) send zeros
-    plus a presence count; as with DDP, a parameter used on any rank gets the average over
-    all ranks, one used on none keeps ``grad is None``. ``extras`` (numbers every rank
+    none) and sent through the model's comm hook, exactly as DDP's backward would: divided
+    by the world size first only when DDP itself would (no hook), and through any hook,
+    Python or built-in (fp16 compression applies too). Gradients are aligned by parameter:
+    ranks whose forwards used different parameters (``find_unused_parameters=True``) send
+    zeros plus a presence count; as with DDP, a parameter used on any rank gets the average
+    over all ranks, one used on none keeps ``grad is None``. ``extras`` (numbers every rank
     sends) come back summed over the ranks with the presence counts, in one more collective.
     """
     m: Any = unwrap(model)
@@ -156,25 +175,25 @@ def sync_grads_now(model: nn.Module, extras: Sequence[float] = ()) -> list[float
     present = [float(p.grad is not None) for p in params]
     device = params[0].device if params else torch.device("cpu")
     meta = torch.tensor(present + list(extras), dtype=torch.float64, device=device)
-    # A Python comm hook (allreduce_hook and the compression hooks) averages by itself;
-    # DDP's built-in all-reduce only sums, the reducer divides the gradients first.
-    divide_first = not getattr(m, "_comm_hooks", None)
-    world = _ranks.world(group)[1]
+    scale = 1.0 / _ranks.world(group)[1] if divides_first(m) else None
+    # The bookkeeping goes first, then one bucket at a time: a hook that chains collectives
+    # in its callbacks (PowerSGD) then issues them in the same order on every rank.
+    _ranks.sum_(meta, group)
+    # Host-device sync: which parameters got a gradient anywhere decides whether their
+    # .grad exists, a host-side fact (only in this rare by-hand path).
+    with expected_sync("the by-hand reduction's presence counts"):
+        reduced = meta.tolist()
+    used = iter(reduced[: len(present)])
     with torch.no_grad():
-        works = []
         for bucket in buckets:
             for p, view in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 if p.grad is not None:
                     view.copy_(p.grad.reshape(view.shape))
-            if divide_first:
-                bucket.buffer().div_(world)
-            works.append(m.reducer._run_comm_hook(bucket))  # async, as DDP overlaps them
-        _ranks.sum_(meta, group)
-        # Host-device sync: which parameters got a gradient anywhere decides whether their
-        # .grad exists, a host-side fact (only in this rare by-hand path).
-        reduced = meta.tolist()
-        used = iter(reduced[: len(present)])
-        for bucket, work in zip(buckets, works, strict=True):
+            if scale is not None:
+                # As DDP's reducer does (a multiplication by 1 / world, not a division), so
+                # the result is DDP's to the bit.
+                bucket.buffer().mul_(scale)
+            work = m.reducer._run_comm_hook(bucket)
             work.wait()
             result = work.value()
             if isinstance(result, list):  # DDP's built-in all-reduce gives [tensor]
@@ -193,4 +212,8 @@ def sync_grads_now(model: nn.Module, extras: Sequence[float] = ()) -> list[float
         # would treat them as used in the next synced backward, although their gradients
         # were just reduced here and are cleared before that window: forget them.
         m.reducer._reset_state()
+    # After a synced iteration DDP broadcasts rank 0's buffers (BatchNorm's running
+    # statistics) at the next forward; a window reduced here counts as one, so the next
+    # forward does it too (a model whose windows are all reduced by hand would never).
+    m.require_forward_param_sync = True
     return reduced[len(present) :]

@@ -26,6 +26,7 @@ from . import _open_steps
 from ._cross_rank import end_of_window
 from ._micro_sync import MicroStepSync
 from ._params import OptimizerParams
+from ._reach import Reach
 from ._update import Progress, UpdateRule
 from ._weighting import Weighting
 from ._window import Window
@@ -126,6 +127,8 @@ class accumulate(contextlib.ContextDecorator):
         self._did_backward = False
         self._ending = False
         self._final_pending = False  # iterate handed out the last item: its micro-step ends
+        self._closed_by_group: str | None = None  # set by a group: why entering is refused
+        self._reach: Reach | None = None  # set by a group: what its first window must not reach
         self.lookahead = 0
         """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
         _BOUND[optimizer] = weakref.ref(self)
@@ -171,6 +174,8 @@ class accumulate(contextlib.ContextDecorator):
                 "accumulate is already inside a micro-step: enter `with acc:` once per "
                 "micro-batch, not nested"
             )
+        if self._closed_by_group is not None:
+            raise RuntimeError(self._closed_by_group)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
         ending = window.micro + 1 >= self.every or self._final_pending
@@ -207,6 +212,8 @@ class accumulate(contextlib.ContextDecorator):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         window, first = self._window, not self._did_backward
         self._sync.refuse_synced_forward()
+        if self._reach is not None:  # a group member's first window only
+            self._reach.check(loss, autograd.get("inputs"))
         scaled, w, reference = self._weighting.scaled(loss, weight, window, first)
         finite = torch.isfinite(loss.detach()) if self._rule.watch_loss else None
         if self.amp is not None:
@@ -221,8 +228,7 @@ class accumulate(contextlib.ContextDecorator):
                 self._weighting.commit(w, reference)
             window.add_backward(w, weighted, finite, synced)
         else:
-            window.add_more(finite, synced)
-            self._sync.another_backward()
+            window.add_more(finite, self._sync.another_backward(synced))
         self._did_backward = True
 
     def __exit__(
@@ -285,6 +291,7 @@ class accumulate(contextlib.ContextDecorator):
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self._window = Window()
+            self._reach = None if window.n_backward else self._reach  # checked: first window
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -65,7 +65,9 @@ def sync_by_hand(
         weight_sum = float(window.weight_sum) if weighted else 0.0
         bad = float(window.bad_device_weight())
         ref = float(w_ref) if weighted else 0.0
-    foreign = window.cleared_foreign or (n == 0 and has_grads)
+    # As without DDP: only a window with no backward of its own whose parameters were
+    # trained by another backward raises (gradients cleared as it opened are not its own).
+    foreign = n == 0 and (window.cleared_foreign or has_grads)
     extras = [
         0.0 if weighted else float(n),  # unweighted backward calls
         float(n) if weighted else 0.0,  # weighted backward calls

@@ -6,10 +6,17 @@ the group drives them together. ``for batch in loopkit.steps(d_step, g_step).ite
 
 - one clock: every member's window ends on the same batches (every ``accumulate``-th, and
   the last one of the loader), also for a member not entered on that batch, whose open
-  window the group closes after the batch;
-- one sync state per batch: on a batch that does not end a window, every DDP member's
-  model runs under ``no_sync`` for the whole iteration, so a forward outside the member's
-  own micro-step (``fake = G(z)`` before D's step) does not all-reduce either;
+  window the group closes right after the batch's micro-steps: when ``group.micro_step`` is
+  first read after them (``until.check()``, ``cadence.due()``, ``Checkpointer.maybe_save``
+  read it), or when the loop asks for the next batch. On a batch where no member is entered
+  there are no micro-steps to follow: the group learns where the loop asks (``_Asking``)
+  and closes the windows at the read unless the loop asks before its micro-steps;
+- one sync state per batch: every DDP member's model runs under ``no_sync`` for the whole
+  iteration when its micro-step will (on a batch that does not end a window, or on any
+  batch once its windows are reduced by hand), so a forward outside the member's own
+  micro-step (``fake = G(z)`` before G's step) does not all-reduce either;
+- one owner per parameter: a member's loss may not reach parameters that another member's
+  optimizer trains (``_reach``), since both windows would claim their gradient;
 - one checkpoint: ``Checkpointer(step=group)`` saves and resumes every member, and its
   ``updates`` are the windows the clock has closed.
 """
@@ -21,7 +28,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .._parallel._grad_sync import no_sync, sync_kind
-from . import _compose
+from . import _compose, _reach
+from ._accumulate import accumulate
+from ._window import Window
 
 T = TypeVar("T")
 
@@ -51,11 +60,34 @@ class steps:
         """Windows the shared clock has closed (what checkpoints are numbered by)."""
         self.lookahead = 0
         """Batches ``iterate`` has taken from its loader but not yet handed out (0 or 1)."""
-        self._syncs = [no_sync(m.model) for m in members if sync_kind(m.model) == "ddp"]
+        self._syncs = [
+            (m.accumulator, no_sync(m.model)) for m in members if sync_kind(m.model) == "ddp"
+        ]
+        self._ends = False  # the batch handed out now ends a window
+        self._counted = False  # `updates` counts a window some member may still have open
+        self._asking = _Asking([m.accumulator for m in members])
+        self._loaded: tuple[int, int] | None = None  # (loads, `updates` as last loaded)
+        _reach.arm(members)
 
     @property
     def micro_step(self) -> int:
-        """The longest open window of a member, in micro-steps (0 between windows)."""
+        """The longest open window of a member, in micro-steps (0 between windows).
+
+        On a window's last batch, the first read after the batch's micro-steps (none open)
+        closes the windows of the members not entered on that batch, as the group would
+        after the batch: so ``until.check()``, ``cadence.due()`` and
+        ``Checkpointer.maybe_save``, called after the batch's micro-steps, see the boundary.
+        With no member entered on the batch, a read closes every open window too, unless
+        the loop reads it before its micro-steps (at the top of its body: learned from the
+        last batch that had both a read and a micro-step).
+        Read it on every rank alike (a DDP member's window is then all-reduced). A member
+        entered on that batch after the read raises.
+        """
+        asking = self._asking
+        if asking.batch is not None:  # inside a batch of iterate()
+            entered = asking.read()
+            if self._ends:
+                self._close_skipped(entered)
         return max(m.micro_step for m in self.members)
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
@@ -80,6 +112,7 @@ class steps:
         except StopIteration:
             return
         index = 0
+        accs = [m.accumulator for m in self.members]
         try:
             while True:
                 cur = nxt
@@ -91,22 +124,67 @@ class steps:
                 ends = last or (index + 1) % self.every == 0
                 if ends:  # counted as the window's batch begins, so a save in it has its number
                     self.updates += 1
-                for m in self.members:
-                    m.accumulator._final_pending = ends
+                    self._counted = True
+                for acc in accs:
+                    acc._final_pending = ends
+                    acc._closed_by_group = None
+                self._ends = ends
                 with contextlib.ExitStack() as iteration:
-                    if not ends:  # the whole iteration, forwards outside the steps included
-                        for s in self._syncs:
-                            iteration.enter_context(s)
+                    # The whole iteration, forwards outside the steps included, runs as the
+                    # member's micro-step will: under no_sync unless it ends the window with
+                    # DDP's own reduction (a member reduced by hand never syncs in a forward).
+                    for acc, sync in self._syncs:
+                        if not ends or acc._sync.reduce_by_hand:
+                            iteration.enter_context(sync)
+                    self._asking.begin()
                     yield cur
+                self._asking.end()
+                self._ends = False
                 if ends:
                     self._close_windows()
                 if last:
                     return
                 index += 1
         finally:
-            for m in self.members:
-                m.accumulator._final_pending = False
+            for acc in accs:
+                acc._final_pending = False
+                acc._closed_by_group = None
+            self._ends = False
+            self._asking.batch = None
             self.lookahead = 0
+
+    def _close_skipped(self, entered: bool) -> None:
+        """On a window's last batch, after its micro-steps: close the members not entered.
+
+        ``entered``: a member has been entered on this batch. With none, the read follows the
+        batch's (absent) micro-steps unless the loop asks before them; then, and when no
+        window is open, nothing is closed (and nothing refused).
+        """
+        accs = self._asking.accs
+        pending = [k for k, acc in enumerate(accs) if acc._final_pending]
+        if not pending or any(acc._inside for acc in accs):
+            return  # every member ran on this batch (or was closed), or one is running now
+        if not entered and (self._asking.first or not any(acc.micro_step for acc in accs)):
+            return  # asked before the micro-steps, or no window to close
+        why = (
+            "after another member's micro-step on this batch"
+            if entered
+            else "on a batch no member had been entered on, where this loop asks after the "
+            "micro-steps"
+        )
+        for k in pending:
+            acc = accs[k]
+            acc._final_pending = False
+            acc._closed_by_group = (
+                f"steps[{k}] entered on a window's last batch after the group closed its "
+                f"window there: group.micro_step was read {why} (until.check(), "
+                "cadence.due() and Checkpointer.maybe_save/save read it, which close the "
+                "windows of the members not entered on the batch). Enter every member a "
+                "batch trains first, then ask those"
+            )
+            if acc.micro_step:
+                acc.flush()
+        self._asking.rebase()
 
     def _close_windows(self) -> None:
         """The clock ends a window: close it for every member, entered on this batch or not."""
@@ -114,15 +192,21 @@ class steps:
             m.accumulator._final_pending = False
             if m.micro_step:
                 m.accumulator.flush()
+        self._counted = False
 
     def flush(self, logs: bool = True) -> bool:
-        """Close every member's open window (and their logs); whether any made an update."""
+        """Close every member's open window (and their logs); whether any made an update.
+
+        A window the clock has already counted (a loop left on a window's last batch before
+        the group closed a member's window) is not counted again.
+        """
+        counted, self._counted = self._counted, False
         stepped = [m.accumulator.flush() for m in self.members]
         if logs:
             for m in self.members:
                 if m.log is not None:
                     m.log.flush()
-        if any(stepped):
+        if any(stepped) and not counted:
             self.updates += 1
         return any(stepped)
 
@@ -141,9 +225,69 @@ class steps:
         for m, s in zip(self.members, saved, strict=True):
             m.load_state_dict(s)
         self.updates = int(state["updates"])
+        self._counted = False
+        self._loaded = (self._loaded[0] + 1 if self._loaded else 1, self.updates)
 
     def __repr__(self) -> str:
         return f"loopkit.steps({len(self.members)} steps, accumulate={self.every})"
+
+
+class _Asking:
+    """Where the loop reads ``group.micro_step`` (loop control) relative to its micro-steps.
+
+    A window's last batch on which no member is entered has no micro-steps to follow: a
+    read there comes after the loop body's micro-steps (close the open windows now, where
+    the README asks loop control) unless the loop asks before them, at the top of its body,
+    where closing would refuse the members it enters next. Which one is learned from the
+    last batch that had both a read and a member entered (``until``/``cadence`` read on
+    every call); with no such batch yet, after (the README's loop).
+    """
+
+    __slots__ = ("accs", "after", "batch", "before", "first", "some")
+
+    def __init__(self, accs: list[accumulate]) -> None:
+        self.accs = accs
+        self.batch: list[tuple[Window, int]] | None = None  # the windows as the batch began
+        self.some = False  # a member was entered on this batch before the last rebase
+        self.before = False  # read on this batch before any member was entered
+        self.after = False  # read on this batch after a member was entered
+        self.first = False  # the loop asks before its micro-steps (learned)
+
+    def begin(self) -> None:
+        """A batch is handed out: entries count from here."""
+        self.batch = self._windows()
+        self.some = self.before = self.after = False
+
+    def rebase(self) -> None:
+        """The group closed windows itself: that is no member's entry."""
+        self.some = self.entered()
+        self.batch = self._windows()
+
+    def entered(self) -> bool:
+        """Whether a member has been entered on this batch (a micro-step opens or closes)."""
+        assert self.batch is not None
+        return self.some or any(
+            acc._window is not w or acc._window.micro != m
+            for acc, (w, m) in zip(self.accs, self.batch, strict=True)
+        )
+
+    def read(self) -> bool:
+        """A read of ``micro_step`` on this batch; whether a member has been entered."""
+        entered = self.entered()
+        if entered:
+            self.after = True
+        else:
+            self.before = True
+        return entered
+
+    def end(self) -> None:
+        """The loop asks for the next batch: learn where this one was read, if it tells."""
+        if (self.before or self.after) and self.entered():
+            self.first = self.before
+        self.batch = None
+
+    def _windows(self) -> list[tuple[Window, int]]:
+        return [(acc._window, acc._window.micro) for acc in self.accs]
 
 
 def _refuse_shared_parameters(members: tuple[_compose.step, ...]) -> None:

@@ -2,9 +2,10 @@
 
 A window's non-final micro-steps run under ``no_sync``, entered before the forward (DDP
 decides at the forward whether the backward all-reduces). Once a DDP micro-step has made
-a second backward, DDP would reduce at each synced backward: from then on the
-window-ending micro-steps run under ``no_sync`` too and the window is reduced by hand,
-once, at its end.
+a second backward, DDP would reduce at each synced forward's backward and leave a second
+backward from one forward local: from then on the window-ending micro-steps run under
+``no_sync`` too and the window is reduced by hand, once, at its end (the window in which
+it was first seen is reduced by hand as well, whatever DDP reduced of it).
 """
 
 from __future__ import annotations
@@ -76,7 +77,20 @@ class MicroStepSync:
                 "micro-batch of the data syncs"
             )
 
-    def another_backward(self) -> None:
-        """A micro-step made a further backward: DDP windows are reduced by hand from now on."""
-        if self.kind == "ddp":
-            self.reduce_by_hand = True
+    def another_backward(self, synced: bool) -> bool:
+        """A micro-step made a further backward; whether the window is still reduced by DDP.
+
+        DDP prepares one reduction at each forward with sync on, and reduces the next
+        backward only: a further backward from the same forward (``retain_graph=True``, two
+        losses on one output) stays local, one after a new forward is reduced. Which it was
+        cannot be seen from here, so a synced DDP micro-step's further backward sends the
+        window to the by-hand reduction at its end (the part DDP averaged already is equal on
+        every rank: averaging it again changes it by rounding at most). Every rank must make
+        the same backward calls, as DDP requires anyway, so every rank takes that path. From
+        then on every DDP micro-step runs under no_sync and its window is reduced once, by
+        hand.
+        """
+        if self.kind != "ddp":
+            return synced
+        self.reduce_by_hand = True
+        return False

@@ -25,13 +25,15 @@ from ._window import Window
 class Progress:
     """What a user reads: updates made and skipped, the skip run, the last gradient norm."""
 
-    __slots__ = ("consecutive_skips", "grad_norm", "skipped", "updates")
+    __slots__ = ("consecutive_skips", "grad_norm", "loaded", "skipped", "updates")
 
     def __init__(self) -> None:
         self.updates = 0
         self.skipped = 0
         self.consecutive_skips = 0
         self.grad_norm: torch.Tensor | None = None
+        self.loaded: int | None = None
+        """Windows closed (updates and skips) as loaded from a checkpoint; None if never."""
 
     def state_dict(self) -> dict[str, int]:
         """The counters a resumed loop continues from."""
@@ -48,6 +50,7 @@ class Progress:
         progress.updates = int(state["updates"])
         progress.skipped = int(state["skipped"])
         progress.consecutive_skips = int(state.get("consecutive_skips", 0))
+        progress.loaded = progress.updates + progress.skipped
         return progress
 
 

@@ -746,3 +746,24 @@ def test_ddp_ranks_that_see_different_checkpoints_all_refuse(tmp_path: Path) -> 
     for rank in (0, 1):
         assert f"rank {rank} refused (unchanged=True)" in out, out
     assert "ranks found different checkpoints" in out and "rank 1: none" in out
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_save_if_needed_saves_a_window_skipped_since_the_last_save(
+    tmp_path: Path, every: int
+) -> None:
+    """A skipped update leaves the count but changes the state: the final save holds it."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = loopkit.step(net, opt, accumulate=every, skip_nonfinite=True)
+    ckpt = loopkit.Checkpointer(tmp_path, model=net, optimizer=opt, step=step)
+    for scale in [1.0] * every + [float("inf")] * every:  # update 1, then a skipped window
+        with step as s:
+            s.backward(net(torch.randn(2, 3)).pow(2).mean() * scale)
+        ckpt.maybe_save(every=1)
+    assert (step.updates, step.skipped) == (1, 1)
+    assert ckpt.save_if_needed() is not None
+    saved = torch.load(ckpt.checkpoints()[-1], weights_only=True)
+    assert saved["step"]["accumulate"]["skipped"] == 1
+    assert ckpt.save_if_needed() is None  # nothing new since

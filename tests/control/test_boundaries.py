@@ -23,6 +23,76 @@ def test_reported_once_per_window_and_never_inside_one() -> None:
     assert seen == [None, None, None, None, 1, None, None, None, None, None, 2, None]
 
 
+def _stepped(acc: loopkit.accumulate, model: nn.Module, n: int) -> None:
+    for _ in range(n):
+        with acc:
+            acc.backward(model(torch.ones(1, 2)).sum())
+
+
+def test_no_boundary_before_a_window_closes() -> None:
+    """A fresh tracker sees no boundary where none has closed: not at update 0, nor at the
+    count a clock had when the tracker was built; the next window's close is seen."""
+    model = nn.Linear(2, 1)
+    acc = loopkit.accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    b = Boundaries(clock_of(acc, "test"))
+    assert b.new() is None  # update 0, no window open: nothing has closed
+    _stepped(acc, model, 2)
+    late = Boundaries(clock_of(acc, "test"))  # built after update 1 closed
+    assert (b.new(), late.new(), late.new()) == (1, None, None)
+    _stepped(acc, model, 2)
+    assert (b.new(), late.new()) == (2, 2)
+
+
+def test_a_group_window_closing_in_the_batch_a_tracker_is_built_is_seen() -> None:
+    """accumulate=1: built on a window's last batch (counted as it began), before or after
+    the micro-steps, a tracker sees that window close; before the loop, none at update 0."""
+    A, B = nn.Linear(2, 1), nn.Linear(2, 1)
+    steps = [loopkit.step(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (A, B)]
+    group = loopkit.steps(*steps)
+    first = Boundaries(group)
+    assert first.new() is None
+    seen = []
+    for x in group.iterate([torch.ones(1, 2)] * 2):
+        before = Boundaries(group)
+        for s, m in zip(steps, (A, B), strict=True):
+            with s as st:
+                st.backward(m(x).sum())
+        seen.append((first.new(), before.new(), Boundaries(group).new()))
+    assert seen == [(1, 1, 1), (2, 2, 2)]
+
+
+def test_after_a_resume_only_windows_closed_since_are_boundaries() -> None:
+    """Loaded counts are no boundary; a window closed after the load is, even where it
+    brings the count back to one the tracker reported before (a resume to an earlier save)."""
+    model = nn.Linear(2, 1)
+    acc = loopkit.accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    b = Boundaries(clock_of(acc, "test"))
+    _stepped(acc, model, 1)
+    saved = acc.state_dict()
+    _stepped(acc, model, 1)
+    assert b.new() == 2
+    fresh = loopkit.accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before_load = Boundaries(clock_of(fresh, "test"))
+    fresh.load_state_dict(saved)
+    assert (before_load.new(), Boundaries(clock_of(fresh, "test")).new()) == (None, None)
+    acc.load_state_dict(saved)  # back to update 1, in the same run
+    assert b.new() is None
+    _stepped(acc, model, 1)
+    _stepped(fresh, model, 1)
+    assert (b.new(), before_load.new()) == (2, 2)
+    group, fresh_group = (loopkit.steps(loopkit.step(m, torch.optim.SGD(m.parameters(), lr=0.1)))
+                          for m in (nn.Linear(2, 1), nn.Linear(2, 1)))  # fmt: skip
+    g = Boundaries(fresh_group)
+    for grp, batches in ((group, 2), (fresh_group, 1)):
+        if grp is fresh_group:
+            grp.load_state_dict(group.state_dict())
+            assert g.new() is None
+        for x in grp.iterate([torch.ones(1, 2)] * batches):
+            with grp.members[0] as st:
+                st.backward(grp.members[0].model(x).sum())
+    assert (g.new(), fresh_group.updates) == (3, 3)
+
+
 def test_without_a_clock_every_call_is_an_update() -> None:
     """In a loop without loopkit, each call follows one optimizer step."""
     b = Boundaries(None)

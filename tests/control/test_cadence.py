@@ -126,3 +126,28 @@ def test_windows_not_aligned_with_passes_are_refused() -> None:
                 with step as s:
                     s.backward(nn.functional.mse_loss(model(xb), yb))
                 val.due()
+
+
+@pytest.mark.parametrize("kind", [{"per_epoch": 1}, {"epochs": 1}])
+def test_a_group_not_entered_on_a_passs_first_batch_fires_at_the_passs_end(
+    kind: dict[str, int],
+) -> None:
+    """Both members start on batch 1: no window has closed at the first due(), so no false
+    boundary at update 0 (refused as misaligned before); one fire per pass, at its end."""
+    A, B = nn.Linear(4, 1), nn.Linear(4, 1)
+    steps = [loopkit.step(m, torch.optim.SGD(m.parameters(), lr=0.01), accumulate=2)
+             for m in (A, B)]  # fmt: skip
+    group = loopkit.steps(*steps)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 4))
+    loader = distributed.loader(data, batch_size=1, shuffle=False, num_workers=0)
+    val = loopkit.cadence(group, **kind, loader=loader)  # type: ignore[arg-type]
+    fired = []
+    for epoch in range(2):
+        for i, (x,) in enumerate(group.iterate(loader)):
+            if i:  # no member trains on a pass's first batch
+                for s, m in zip(steps, (A, B), strict=True):
+                    with s as st:
+                        st.backward(m(x).pow(2).mean())
+            if val.due():
+                fired.append((epoch, i, group.updates))
+    assert fired == [(0, 3, 2), (1, 3, 4)]

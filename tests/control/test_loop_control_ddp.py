@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_loop_control_worker import eval_model, per_sample, seven_samples
+from dist_loop_control_worker import bn_model, eval_model, per_sample, seven_samples
 from helpers import launch_scenarios
 
 import loopkit
@@ -87,3 +87,39 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_update(results: Any) -> Non
     assert a["stopped_at"] == b["stopped_at"] == 4
     assert a["saved"] == ["ckpt-0000000004.pt"]
     assert torch.equal(a["weights"], b["weights"])
+
+
+def test_evaluate_pools_the_metric_of_rank_zeros_model(results: Any) -> None:
+    """BatchNorm statistics differ per rank (DDP broadcasting buffers or not, or no DDP):
+    the pooled sums are one process's over rank 0's model, every rank keeps its own buffers."""
+    data = torch.utils.data.DataLoader(seven_samples(), batch_size=2)
+    a, b = results["evaluate_with_rank_zero_buffers"]
+    for kind in ("ddp", "ddp_no_broadcast", "plain"):
+        saved = bn_model()
+        saved.load_state_dict(a[kind]["rank_zero_state"])
+        one = loopkit.evaluate(saved, data, per_sample)
+        assert a[kind]["sums"] == b[kind]["sums"] and a[kind]["samples"] == 7
+        for name, total in one.sums.items():
+            assert abs(a[kind]["sums"][name] - total) <= 1e-12 * max(1.0, abs(total)), kind
+        assert a[kind]["buffers_kept"] and b[kind]["buffers_kept"] and b[kind]["training"]
+        rank1 = {k: v for k, v in b[kind]["rank_zero_state"].items() if "running" in k}
+        assert any(not torch.equal(v, a[kind]["rank_zero_state"][k]) for k, v in rank1.items())
+        assert a[kind]["collectives"]["broadcast"] == 3  # BatchNorm's 3 buffers
+        assert a[kind]["collectives"]["all_gather_object"] == 2  # buffer shapes, results
+
+
+def test_a_stop_on_an_epochs_last_batch_resumes_exactly_on_every_rank(results: Any) -> None:
+    """No step with loader=, or a step without loader=: both ranks stop at the same boundary
+    and save once, after the epoch's code; resumed, both end at the uninterrupted weights."""
+    for r in results["until_stop_on_an_epochs_last_batch"]:
+        for kind in ("none", "step"):
+            run = r[kind]
+            first, second, whole = run["first"], run["second"], run["whole"]
+            assert first["reason"] == "SIGTERM" and first["epochs"] == [0]
+            assert first["stopped_at"] == (3 if kind == "none" else 2)
+            assert len(first["saved"]) == 1 and run["saved_lr_epoch"] == 1
+            assert second["epochs"] == [1] and second["reason"] == "max_epochs"
+            assert torch.equal(whole["weights"], second["weights"]), kind
+    a, b = results["until_stop_on_an_epochs_last_batch"]
+    for kind in ("none", "step"):
+        assert torch.equal(a[kind]["second"]["weights"], b[kind]["second"]["weights"])

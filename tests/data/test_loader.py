@@ -229,7 +229,7 @@ def test_a_resumed_pass_draws_the_same_augmentation() -> None:
 
 def test_sampler_arguments_are_refused() -> None:
     """loader() shards, batches and seeds itself: sampler, batch_sampler, ... are refused."""
-    for name in ("sampler", "batch_sampler", "worker_init_fn", "generator"):
+    for name in ("sampler", "batch_sampler", "generator"):
         with pytest.raises(TypeError, match=f"sets {name} itself"):
             distributed.loader(_data(), batch_size=4, num_workers=0, **{name: None})
 
@@ -246,3 +246,110 @@ def test_a_world_size_change_is_refused(tmp_path: Any) -> None:
     torch.save(state, path)
     with pytest.raises(loopkit.CheckpointError, match="same number of processes"):
         ckpt.resume()
+
+
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [({"seed": 2}, "seed=1"), ({"shuffle": False}, "shuffle=True"),
+     ({"seed": 2, "shuffle": False}, "seed=1, shuffle=True")],
+    ids=["seed", "shuffle", "both"],
+)  # fmt: skip
+def test_a_mid_pass_resume_in_another_order_is_refused(
+    tmp_path: Any, other: dict[str, Any], named: str
+) -> None:
+    """Saved mid-pass with seed=1, resumed by a loader with another seed or shuffle:
+    CheckpointError naming what differs, raised before anything is loaded."""
+    model = nn.Linear(1, 1)
+    source = distributed.loader(_data(40), batch_size=4, num_workers=0, seed=1)
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, loader=source)
+    it = iter(source)
+    for _ in range(5):
+        next(it)
+    ckpt.save()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    before = model.weight.detach().clone()
+    kwargs = {"seed": 1, **other}
+    resumed = distributed.loader(_data(40), batch_size=4, num_workers=0, **kwargs)
+    state = _internal(resumed)
+    again = loopkit.Checkpointer(tmp_path, model=model, loader=resumed)
+    with pytest.raises(loopkit.CheckpointError, match=f"mid-pass .* by a loader with {named}"):
+        again.resume()
+    assert torch.equal(model.weight, before) and _same(state, _internal(resumed))
+
+
+def test_another_order_is_accepted_at_a_pass_boundary() -> None:
+    """A state saved when a pass had ended resumes into a loader with another seed."""
+    source = distributed.loader(_data(), batch_size=4, num_workers=0, seed=1)
+    _order(source)
+    state = source.state_dict()
+    other = distributed.loader(_data(), batch_size=4, num_workers=0, seed=7)
+    other.load_state_dict(state)
+    assert other.epoch == 1 and sorted(_order(other)) == list(range(20))
+
+
+class _Handles(torch.utils.data.Dataset[torch.Tensor]):
+    """Reads a per-worker "handle" that worker_init_fn opens (as with an HDF5 file)."""
+
+    handle: int | None = None
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        assert _Handles.handle is not None, "worker_init_fn did not run"
+        return torch.tensor([i, _Handles.handle])
+
+
+def _open_handle(worker_id: int) -> None:
+    # What loopkit seeded before: the draw is the same in every run with the same seed.
+    _Handles.handle = 100 + worker_id + 1000 * random.randrange(1, 9)
+
+
+def test_worker_init_fn_runs_in_every_worker_after_the_seeding() -> None:
+    """worker_init_fn is accepted and runs in each worker, after loopkit seeded the RNGs there
+    (its draws repeat from run to run); the batches are those of the data set."""
+    runs = []
+    for _ in range(2):
+        loader = distributed.loader(
+            _Handles(), batch_size=2, num_workers=2, shuffle=False, worker_init_fn=_open_handle
+        )
+        runs.append(torch.cat(list(loader)))
+    rows = runs[0]
+    assert rows[:, 0].tolist() == list(range(8))
+    assert {h % 1000 for h in rows[:, 1].tolist()} == {100, 101}
+    assert torch.equal(runs[0], runs[1])
+    with pytest.raises(TypeError, match="worker_init_fn must be callable"):
+        distributed.loader(_Handles(), batch_size=2, worker_init_fn=3)
+
+
+class _InstanceHandles(torch.utils.data.Dataset[torch.Tensor]):
+    """Reads a handle opened on the instance through get_worker_info().dataset."""
+
+    def __init__(self) -> None:
+        self.handle: int | None = None
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        assert self.handle is not None, "worker_init_fn opened nothing on this dataset"
+        return torch.tensor([i, self.handle])
+
+
+def _open_on_worker_dataset(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.handle = 100 + worker_id  # PyTorch's documented per-worker pattern
+
+
+def test_worker_init_fn_sees_the_users_dataset_in_get_worker_info() -> None:
+    """get_worker_info().dataset in worker_init_fn is the dataset given to loader(), not
+    loopkit's wrapper: a handle opened on it is what __getitem__ reads, in each worker."""
+    loader = distributed.loader(
+        _InstanceHandles(), batch_size=2, num_workers=2, shuffle=False,
+        worker_init_fn=_open_on_worker_dataset,
+    )  # fmt: skip
+    rows = torch.cat(list(loader))
+    assert rows[:, 0].tolist() == list(range(8))
+    assert rows[:, 1].tolist() == [100, 100, 101, 101, 100, 100, 101, 101]

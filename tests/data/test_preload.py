@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import ROOT, launch_env
@@ -95,7 +97,7 @@ def test_variable_length_items_are_flat_with_offsets(tmp_path: Path) -> None:
     assert cache.tensors[0].numel() == sum(i % 7 + 1 for i in range(30))
     for i in range(30):
         assert torch.equal(cache[i], Tokens()[i])
-    batch = cache.__getitems__([4, 2])
+    batch = cache.batch([4, 2])
     assert [t.tolist() for t in batch] == [Tokens()[4].tolist(), Tokens()[2].tolist()]
 
 
@@ -133,7 +135,8 @@ def test_a_killed_build_leaves_no_usable_cache_and_the_next_run_rebuilds(tmp_pat
     time.sleep(0.3)  # in the middle of writing items
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert [p.name.startswith(".") for p in tmp_path.iterdir()] == [True]  # only the temporary
+    left = sorted(p.name for p in tmp_path.iterdir())  # the temporary directory and its lock
+    assert len(left) == 2 and left[0].endswith(".lock") and ".tmp-" in left[1]
 
     def slow(item: Any) -> Any:
         return item
@@ -177,22 +180,55 @@ def test_the_loader_batches_by_one_index_and_resumes_exactly(tmp_path: Path) -> 
 
 
 _TWO_RANKS = """
-import hashlib, sys, torch, loopkit
+import datetime, hashlib, sys, time, torch, loopkit
 from loopkit import distributed
 sys.path[:0] = ["tests", "tests/data"]
 from test_preload import Images
-with distributed.setup() as info:
-    cache = loopkit.preload(Images(300), sys.argv[1])
+
+def slow(item):  # decoding: the build (~5 s) outlasts the process group's 4 s timeout
+    time.sleep(0.02)
+    return item
+
+def broken(item):  # only rank 0 fails (as one flaky disk would): the others must learn it
+    if item[1] == 7 and torch.distributed.get_rank() == 0:
+        raise ValueError("item 7 cannot be decoded")
+    return item
+
+with distributed.setup(timeout=datetime.timedelta(seconds=4)) as info:
+    cache = loopkit.preload(Images(250), sys.argv[1], transform=slow)
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in cache.tensors)).hexdigest()
     x, _ = next(iter(distributed.loader(cache, batch_size=16, seed=2)))
-    torch.save({"built": cache.built, "digest": digest, "first": x},
-               f"{sys.argv[1]}/rank{info.rank}.pt")
+    try:
+        loopkit.preload(Images(30, salt=1), sys.argv[1], transform=broken)
+        failed = ""
+    except Exception as err:
+        failed = f"{type(err).__name__}: {err}"
+    open(f"{sys.argv[1]}/a-file", "w").close()
+    try:  # local rank 0 cannot create the root (a file is in its path): every rank learns it
+        loopkit.preload(Images(8), f"{sys.argv[1]}/a-file/cache")
+        no_root = ""
+    except Exception as err:
+        no_root = f"{type(err).__name__}: {err}"
+    # Two nodes (each rank its node's only one): node 0 finds its cache, node 1 builds for
+    # longer than the timeout; node 0 must wait for it outside any collective.
+    import os, shutil
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    node_root = sys.argv[1] if info.rank == 0 else f"{sys.argv[1]}/node1"
+    other = loopkit.preload(Images(250), node_root, transform=slow)
+    nodes = (other.built, len(other))
+    if info.rank == 1:
+        shutil.rmtree(node_root)
+    torch.save({"built": cache.built, "digest": digest, "first": x, "failed": failed,
+                "no_root": no_root, "nodes": nodes}, f"{sys.argv[1]}/rank{info.rank}.pt")
 """
 
 
 def test_under_torchrun_one_build_and_both_ranks_read_the_same_bytes(tmp_path: Path) -> None:
-    """Two ranks on one node: local rank 0 builds, rank 1 waits and maps the same files;
-    the loader shards the cache (the ranks' first batches differ)."""
+    """Two ranks on one node: local rank 0 builds, rank 1 waits (longer than the process
+    group's timeout: it polls, not in a collective) and maps the same files; the loader
+    shards the cache. A build that fails on rank 0 is raised on both ranks, so is a root it
+    cannot create; on two nodes, one finding its cache waits (outside any collective) for
+    the other's build, however long."""
 
     script = tmp_path / "two.py"
     script.write_text(_TWO_RANKS)
@@ -206,8 +242,17 @@ def test_under_torchrun_one_build_and_both_ranks_read_the_same_bytes(tmp_path: P
     assert (a["built"], b["built"]) == (True, False)
     assert a["digest"] == b["digest"]
     assert not torch.equal(a["first"], b["first"])
+    assert a["failed"] == "ValueError: item 7 cannot be decoded"
+    assert b["failed"] == (
+        "RuntimeError: preload: local rank 0 could not build or open the cache: "
+        "ValueError: item 7 cannot be decoded"
+    )
+    for said in (a["no_root"], b["no_root"]):
+        assert f"preload: cannot use the cache root {tmp_path}/a-file/cache" in said
+    assert (a["nodes"], b["nodes"]) == ((False, 250), (True, 250))
+    (tmp_path / "a-file").unlink()
     builds = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert len(builds) == 1 and not list(tmp_path.glob(".*tmp*"))
+    assert len(builds) == 1 and not list(tmp_path.glob(".*"))  # no lock, temporary, handoff
 
 
 def test_a_pickled_cache_maps_the_files_again(tmp_path: Path) -> None:
@@ -236,6 +281,83 @@ def test_a_shape_the_sample_did_not_show_is_refused_and_nothing_is_left(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+class Numbers(torch.utils.data.Dataset[torch.Tensor]):
+    """``n`` one-element items, ``i`` at index i, but ``last`` at the last index."""
+
+    def __init__(self, n: int, last: float) -> None:
+        self.n, self.last = n, last
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([self.last if i == self.n - 1 else float(i)])
+
+
+class Growing(torch.utils.data.Dataset[torch.Tensor]):
+    """``n`` items of sizes 1, 1, ..., 1 and ``n`` at the last index."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(self.n if i == self.n - 1 else 1)
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 16])
+def test_every_item_of_a_small_data_set_is_sampled(tmp_path: Path, n: int) -> None:
+    """At most 16 items: a changed last item gets a new cache, a last item's size is seen."""
+    loopkit.preload(Numbers(n, last=-1.0), tmp_path, key="numbers")
+    changed = loopkit.preload(Numbers(n, last=99.0), tmp_path, key="numbers")
+    assert changed.built and changed[n - 1].item() == 99.0
+    ragged = loopkit.preload(Growing(n), tmp_path, key="growing")
+    assert ragged.fields[0].shape is None and ragged[n - 1].shape == (n,)
+
+
+def test_the_sample_spans_the_data_set_whatever_its_length() -> None:
+    """min(n, 16) distinct indices, the first and the last included, all of them up to 16."""
+    from loopkit._data._fields import SAMPLED, spread
+
+    for n in range(1, 100):
+        picks = spread(n)
+        assert len(picks) == min(n, SAMPLED) and picks == sorted(set(picks))
+        assert picks[0] == 0 and picks[-1] == n - 1
+        if n <= SAMPLED:
+            assert picks == list(range(n))
+        gaps = [b - a for a, b in itertools.pairwise(picks)]
+        assert max(gaps, default=0) <= (n - 1) / (SAMPLED - 1) + 1  # the even step, rounded
+
+
+class Strided(torch.utils.data.Dataset[tuple[Any, ...]]):
+    """Fields laid out with odd strides: empty ones with stride 0, expanded, size-1 dims."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        return (np.random.default_rng(i).normal(size=(i,)),  # item 0: empty, strides (0,)
+                torch.zeros(1).expand(0) if i == 0 else torch.full((i,), float(i)),
+                torch.empty_strided((2, 0, 3), (0, 0, 0)),
+                torch.full((i + 1,), float(i)).expand(2, i + 1),  # its sizes vary
+                torch.tensor([[float(i)]]).as_strided((1, 1), (0, 5)),
+                torch.tensor(float(i)).expand(2, 3))  # fmt: skip
+
+
+def test_empty_and_zero_stride_fields_are_stored_with_their_values(tmp_path: Path) -> None:
+    """Empty fields (stride 0), expanded tensors, size-1 dims of any stride: back as they were."""
+    data = Strided()
+    cache = loopkit.preload(data, tmp_path)
+    for i in range(3):
+        for got, want in zip(cache[i], data[i], strict=True):
+            want = torch.as_tensor(want)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    batch = cache.batch([2, 0])
+    assert batch[2].shape == (2, 2, 0, 3) and torch.equal(batch[5][0], data[2][5])
+
+
 def test_worker_batches_equal_main_process_batches(tmp_path: Path) -> None:
     """With 2 workers (batches built in shared memory) the loader gives the same batches."""
     cache = loopkit.preload(Images(), tmp_path)
@@ -252,16 +374,320 @@ def test_the_default_place_is_dev_shm_unless_it_has_no_room(
     """No cache=: /dev/shm when it has room, else the temporary directory; then found again."""
     import tempfile
 
-    from loopkit._data import _preload
+    from loopkit._data import _cache_files, _cache_trust
 
     shm, tmp = tmp_path / "shm", tmp_path / "tmp"
     shm.mkdir()
     tmp.mkdir()
-    monkeypatch.setattr(_preload, "_SHM", shm)
+    monkeypatch.setattr(_cache_trust, "SHM", shm)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp))
+    name = f"loopkit-preload-{os.getuid()}"
     in_ram = loopkit.preload(Images(), key="ram")
-    assert in_ram.path.parent == shm / "loopkit-preload"
-    monkeypatch.setattr(_preload, "_free", lambda d: 10 if d.is_relative_to(shm) else 10**12)
+    assert in_ram.path.parent == shm / name
+    monkeypatch.setattr(
+        _cache_files, "free_bytes", lambda d: 10 if d.is_relative_to(shm) else 10**12
+    )
     on_disk = loopkit.preload(Images(), key="disk")
-    assert on_disk.path.parent == tmp / "loopkit-preload" and on_disk.built
+    assert on_disk.path.parent == tmp / name and on_disk.built
     assert not loopkit.preload(Images(), key="ram").built  # found where it was built
+
+
+# -- edge cases of round 2: shapes, dtypes, concurrent builds, workers, trust --------------
+
+
+class Boxes(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """A [T, 3] field (T boxes per item) and a [3, H, W] field whose H and W both vary."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        t, h, w = 1 + i % 4, 1 + i % 3, 2 + i % 5
+        boxes = torch.arange(t * 3, dtype=torch.float32).reshape(t, 3) + i
+        return boxes, torch.full((3, h, w), i, dtype=torch.uint8), i
+
+
+def test_a_field_whose_sizes_vary_keeps_its_trailing_dimensions(tmp_path: Path) -> None:
+    """[T, 3] and [3, H, W] fields come back in their shapes: items, batches, loader batches."""
+    data = Boxes()
+    cache = loopkit.preload(data, tmp_path)
+    assert [f.shape for f in cache.fields[:2]] == [None, None]
+    for i in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(cache[i][:2], data[i][:2], strict=True))
+    boxes, images, _ = cache.batch([5, 3])
+    assert [tuple(b.shape) for b in boxes] == [(2, 3), (4, 3)]
+    assert [tuple(x.shape) for x in images] == [(3, 3, 2), (3, 1, 5)]
+    batch = next(iter(distributed.loader(cache, batch_size=4, shuffle=False)))
+    for k in range(4):
+        assert torch.equal(batch[0][k], data[k][0]) and torch.equal(batch[1][k], data[k][1])
+
+
+class Mixed(torch.utils.data.Dataset[tuple[Any, ...]]):
+    """Python and numpy numbers of many dtypes, as a data set may return them."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        import numpy as np
+
+        return ([0.1, 16777217.0, 1 / 3][i % 3], 2**40 + i, i % 2 == 0, np.float16(i / 3),
+                np.uint16(60000 + i), np.array(i - 3, dtype=np.int8), np.bool_(i % 3 == 0),
+                np.full(2, i / 7, dtype=np.float64), np.array([i, 1], dtype=np.uint32))  # fmt: skip
+
+
+def test_fields_keep_the_dtype_default_collate_gives(tmp_path: Path) -> None:
+    """Python floats stay float64 (0.1 exact), ints int64, bools bool, numpy keeps its dtype:
+    the preloaded loader's batch equals default_collate's over the data set, dtype included."""
+    plain = next(iter(distributed.loader(Mixed(), batch_size=6, shuffle=False, num_workers=0)))
+    cache = loopkit.preload(Mixed(), tmp_path)
+    pre = next(iter(distributed.loader(cache, batch_size=6, shuffle=False)))
+    assert len(plain) == len(pre) == 9
+    for a, b in zip(plain, pre, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a, b)
+    assert pre[0].tolist() == [Mixed()[i][0] for i in range(6)]
+
+
+class BigEndian(torch.utils.data.Dataset[Any]):
+    """A big-endian array (as read from some file formats) and a 0-d array."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        return np.arange(3, dtype=">f4") + i, np.array(i, dtype=np.int16)
+
+
+def test_big_endian_and_0_d_arrays_keep_their_values_and_shapes(tmp_path: Path) -> None:
+    """A '>f4' array comes back with its values (in native order), a 0-d array with shape ()."""
+    cache = loopkit.preload(BigEndian(), tmp_path)
+    x, y = cache[2]
+    assert x.dtype == torch.float32 and x.tolist() == [2.0, 3.0, 4.0]
+    assert y.shape == () and y.dtype == torch.int16 and int(y) == 2
+
+
+class Exotic(torch.utils.data.Dataset[tuple[torch.Tensor, ...]]):
+    """bf16, float8 and complex fields (no numpy equivalent for the first two), one ragged."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(i)
+        bits = torch.randint(0, 2**16, (5,), generator=g, dtype=torch.int32).to(torch.int16)
+        return (bits.view(torch.bfloat16),  # every bit pattern, NaN payloads included
+                torch.randn(3, generator=g).to(torch.float8_e4m3fn),
+                torch.randn(2, generator=g, dtype=torch.complex64),
+                torch.randn(1 + i % 3, generator=g).to(torch.bfloat16))  # fmt: skip
+
+
+def test_dtypes_without_a_numpy_equivalent_are_stored_bit_for_bit(tmp_path: Path) -> None:
+    """bfloat16, float8 and complex fields (fixed and ragged) come back with the same bytes."""
+    data = Exotic()
+    cache = loopkit.preload(data, tmp_path)
+    assert [f.dtype for f in cache.fields] == ["bfloat16", "float8_e4m3fn", "complex64",
+                                               "bfloat16"]  # fmt: skip
+    for i in range(10):
+        for got, want in zip(cache[i], data[i], strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    batch = cache.batch([3, 1])
+    assert torch.equal(batch[0].view(torch.uint8), torch.stack([data[3][0], data[1][0]]).view(
+        torch.uint8))  # fmt: skip
+
+
+class Slow(Images):
+    """Images whose decoding takes ``delay`` seconds (not part of the items: one cache)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(120)
+        self.delay = delay
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+def test_a_second_builder_waits_for_the_first_and_removes_nothing_live(tmp_path: Path) -> None:
+    """Two independent builders of one cache (two jobs): the second waits on the lock, leaves
+    the first's live temporary directory alone, then opens the finished cache."""
+    import threading
+
+    results: dict[str, Any] = {}
+
+    def job(label: str, delay: float) -> None:
+        try:
+            results[label] = loopkit.preload(Slow(delay), tmp_path)
+        except Exception as err:  # reported by the assertions below
+            results[label] = err
+
+    first = threading.Thread(target=job, args=("first", 0.01))
+    first.start()
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".*.tmp-*")):
+        assert time.monotonic() < deadline and first.is_alive()
+        time.sleep(0.01)
+    job("second", 0.0)
+    first.join()
+    a, b = results["first"], results["second"]
+    assert isinstance(a, loopkit.Preloaded) and isinstance(b, loopkit.Preloaded), results
+    assert a.built and not b.built and a.path == b.path
+    assert torch.equal(b.tensors[0], torch.stack([Images(120)[i][0] for i in range(120)]))
+    assert [p.name for p in tmp_path.iterdir()] == [a.path.name]  # no lock, no temporary
+
+
+def test_workers_send_batches_of_a_field_whose_sizes_vary(tmp_path: Path) -> None:
+    """A ragged field with 1 or 2 workers: the batches of 0 workers (no hang, no fd error)."""
+    cache = loopkit.preload(Boxes(), tmp_path)
+
+    def epoch(workers: int) -> list[Any]:
+        wait = {"timeout": 60} if workers else {}  # a hang fails instead of blocking the run
+        loader = distributed.loader(cache, batch_size=3, seed=2, num_workers=workers, **wait)
+        return [([b.tolist() for b in boxes], [x.tolist() for x in images], labels.tolist())
+                for boxes, images, labels in loader]  # fmt: skip
+
+    main = epoch(0)
+    assert len(main) == 7
+    assert epoch(1) == main and epoch(2) == main
+
+
+def test_changing_a_batch_in_place_leaves_the_cache_unchanged(tmp_path: Path) -> None:
+    """A collate_fn (or the loop) writing into items and batches: later epochs, items and a
+    fresh process's mapping still hold the data set's values."""
+    data = Boxes()
+    cache = loopkit.preload(data, tmp_path)
+
+    def scribble(batch: Any) -> Any:
+        for part in (*batch[0], *batch[1]):
+            part.fill_(0)
+        batch[2].fill_(0)
+        return batch
+
+    for _ in distributed.loader(cache, batch_size=4, seed=0, collate_fn=scribble):
+        pass
+    item = cache[3]
+    for part in item:
+        part.fill_(0)
+    for row in cache.__getitems__([1, 2]):
+        for part in row:
+            part.fill_(0)
+    for i in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(cache[i][:2], data[i][:2], strict=True))
+        assert int(cache[i][2]) == i
+    fresh = loopkit.Preloaded(cache.path, built=False)
+    assert torch.equal(fresh.tensors[0], cache.tensors[0])
+    assert torch.equal(fresh.tensors[2], torch.arange(20))
+
+
+def test_a_plain_dataloader_gives_the_data_sets_batches(tmp_path: Path) -> None:
+    """torch's DataLoader over the cache (0 or 1 workers): the batches it gives over the data."""
+    cache = loopkit.preload(Images(), tmp_path)
+    want = list(torch.utils.data.DataLoader(Images(), batch_size=8))
+    for workers in (0, 1):
+        got = list(torch.utils.data.DataLoader(cache, batch_size=8, num_workers=workers))
+        assert len(got) == len(want) == 7
+        for (a, b), (c, d) in zip(got, want, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d) and b.dtype == d.dtype
+
+
+def test_an_empty_data_set_is_refused_clearly(tmp_path: Path) -> None:
+    """len 0: a ValueError saying so (not an IndexError from item 0), nothing written."""
+    with pytest.raises(ValueError, match="empty data set"):
+        loopkit.preload(torch.utils.data.TensorDataset(torch.zeros(0, 3)), tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_default_root_is_private_and_a_planted_one_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No cache=: the root is named per user with mode 0700; one open to others is refused."""
+    import stat
+    import tempfile
+
+    from loopkit._data import _cache_trust
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(_cache_trust, "SHM", shm)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    cache = loopkit.preload(Images(), key="private")
+    root = cache.path.parent
+    st = root.stat()
+    assert root == shm / f"loopkit-preload-{os.getuid()}"
+    assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+    root.chmod(0o777)  # as if another user had made it, for everyone
+    with pytest.raises(PermissionError, match=r"default cache root .* open to group or others"):
+        loopkit.preload(Images(), key="private")
+    with pytest.raises(PermissionError):  # trusting a team cache does not make it ours
+        loopkit.preload(Images(), key="private", trust_shared_cache=True)
+
+
+def _poison(path: Path) -> None:
+    """Change item 3's bytes of field 0 in place, as another user with write access could."""
+    field = path / "field0.bin"
+    field.chmod(0o644)
+    data = bytearray(field.read_bytes())
+    data[48 * 3 : 48 * 4] = bytes(48)
+    field.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("what", ["root", "cache", "file"])
+def test_a_cache_others_can_write_is_refused_unless_trusted(tmp_path: Path, what: str) -> None:
+    """A root, cache directory or file writable by others: PermissionError naming the opt-in;
+    trust_shared_cache=True opens it, and then checks every file's sha256 by default."""
+    built = loopkit.preload(Images(), tmp_path / "team")
+    _poison(built.path)
+    target = {"root": tmp_path / "team", "cache": built.path, "file": built.path / "meta.json"}
+    target[what].chmod(0o777 if target[what].is_dir() else 0o666)
+    with pytest.raises(PermissionError, match="trust_shared_cache=True"):
+        loopkit.preload(Images(), tmp_path / "team")
+    with pytest.raises(RuntimeError, match=r"field0\.bin does not match the checksum"):
+        loopkit.preload(Images(), tmp_path / "team", trust_shared_cache=True)
+    opened = loopkit.preload(Images(), tmp_path / "team", trust_shared_cache=True, verify=False)
+    assert not opened.built  # the caller said so: read as it is
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the cache to another user")
+def test_a_cache_another_user_owns_is_refused(tmp_path: Path) -> None:
+    """A cache directory owned by another user (mode 0755): PermissionError naming the owner."""
+    built = loopkit.preload(Images(), tmp_path)
+    os.chown(built.path, 65534, 65534)
+    with pytest.raises(PermissionError, match="owned by uid 65534"):
+        loopkit.preload(Images(), tmp_path)
+
+
+def test_checksums_are_checked_with_verify_and_sizes_always(tmp_path: Path) -> None:
+    """A changed byte: caught by verify=True (not by default in a private cache); a truncated
+    file: refused on every open."""
+    built = loopkit.preload(Images(), tmp_path)
+    _poison(built.path)
+    assert not loopkit.preload(Images(), tmp_path).built
+    with pytest.raises(RuntimeError, match="does not match the checksum"):
+        loopkit.preload(Images(), tmp_path, verify=True)
+    field = built.path / "field1.bin"
+    field.write_bytes(field.read_bytes()[:-8])
+    with pytest.raises(RuntimeError, match=r"damaged: field1\.bin has 392 bytes, not 400"):
+        loopkit.preload(Images(), tmp_path)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="needs /proc (pids)")
+def test_a_waiter_raises_when_the_builder_ended_without_finishing(tmp_path: Path) -> None:
+    """The handoff file of local rank 0 names a pid that is gone: the waiter raises, not hangs;
+    a file that says 'failed' is raised with the builder's error."""
+    import json
+
+    from loopkit._data import _cache_handoff
+
+    announcer = _cache_handoff.Announcer(tmp_path, "data", "tok")
+    announcer.say("working")
+    said = json.loads(announcer.path.read_text())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    announcer.path.write_text(json.dumps({**said, "pid": gone.pid}))
+    with pytest.raises(RuntimeError, match=f"pid {gone.pid}\\) ended without finishing"):
+        _cache_handoff.wait_for(tmp_path, "data", "tok")
+    announcer.say("failed", error="ValueError: item 7 is broken")
+    with pytest.raises(RuntimeError, match="could not build or open the cache: ValueError: item 7"):
+        _cache_handoff.wait_for(tmp_path, "data", "tok")

@@ -9,8 +9,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from conftest import requires_cuda
-from helpers import Store
+from helpers import Store, requires_cuda
 from torch.overrides import TorchFunctionMode
 
 import loopkit

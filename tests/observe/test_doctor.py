@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import requires_cuda
-from helpers import ROOT, batches, loss_fn, mlp
+from helpers import ROOT, batches, loss_fn, mlp, requires_cuda
 from torch import nn
 
 import loopkit

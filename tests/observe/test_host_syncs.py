@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import requires_cuda
+from helpers import requires_cuda
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import (
     TorchDispatchMode,

@@ -131,3 +131,21 @@ def test_fsdp2_restores_the_previous_setting(process_group: None) -> None:
     with loopkit.no_sync(model):
         assert flags() == [False]
     assert flags() == [False]  # not blindly True
+
+
+@pytest.mark.parametrize("hook", ["none", "python", "builtin ALLREDUCE", "builtin FP16_COMPRESS"])
+def test_the_by_hand_path_divides_first_exactly_when_ddp_does(
+    process_group: None, hook: str
+) -> None:
+    """DDP divides a bucket before reducing it only without a comm hook; a built-in C++ hook,
+    which leaves no Python trace in _comm_hooks, averages by itself as a Python one does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from loopkit._parallel._grad_sync import divides_first
+
+    ddp: Any = torch.nn.parallel.DistributedDataParallel(mlp())
+    if hook == "python":
+        ddp.register_comm_hook(None, allreduce_hook)
+    elif hook.startswith("builtin"):
+        ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, hook.split()[1]))
+    assert divides_first(ddp) is (hook == "none")

@@ -98,3 +98,55 @@ def test_a_forward_outside_a_no_sync_micro_step_is_refused(results: Any) -> None
     """DDP would all-reduce a backward whose forward ran with sync on: refused, said how."""
     for r in results["forward_outside_a_non_final_micro_step_is_refused"]:
         assert "loopkit.steps(...).iterate(loader)" in r["error"]
+
+
+def test_the_by_hand_all_reduce_equals_ddps_own_for_every_comm_hook(results: Any) -> None:
+    """No hook, Python hooks, built-in C++ hooks and PowerSGD: DDP's synced gradients, bitwise."""
+    for r in results["by_hand_sync_equals_ddps_own_for_every_comm_hook"]:
+        assert set(r) == {"none", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+                          "builtin:ALLREDUCE", "builtin:FP16_COMPRESS", "powerSGD"}  # fmt: skip
+        assert all(d == [0.0, 0.0, 0.0] for d in r.values()), r
+
+
+def test_a_synced_micro_step_that_backs_up_twice_is_reduced_exactly(results: Any) -> None:
+    """One forward and two backward passes, or two forwards, on a window-ending micro-step:
+    identical replicas equal to the large batch; one extra all-reduce round, once."""
+    for r in results["several_backward_passes_on_a_synced_micro_step"]:
+        for name, got in r.items():
+            assert got["same"], name
+            assert got["diff"] < (1e-3 if "fp16" in name else 1e-6), (name, got["diff"])
+        # Bucket all-reduces counted after each window: DDP's own round(s) in the window
+        # where the second backward is first seen, plus its by-hand round; one per window
+        # after it (each later window reduced once, by hand).
+        calls = {name: got["calls"] for name, got in r.items()}
+        assert calls["accumulate 1, one forward two backward passes"] == [2, 3, 4]
+        assert calls["accumulate 2, first seen on a window's last micro-step"] == [1, 3, 4]
+        assert calls["accumulate 3, ragged, two forwards on the first window's end"] == [3, 4, 5]
+        assert calls["accumulate 1, rank-dependent branches"] == [2, 3, 4]
+        assert calls["accumulate 3, weighted, ragged, first seen on the last micro-step"] == [2, 3]
+
+
+def test_a_group_member_skipping_a_windows_last_batch_under_ddp(results: Any) -> None:
+    """until() and cadence() see every window's end on both ranks, which stay identical."""
+    for r in results["group_member_skipping_the_last_batch_under_ddp"]:
+        assert r["updates"] == (2, 2, 2) and r["fired"] == [1, 2]
+        assert r["same"] and r["diff"] < 1e-6
+
+
+def test_a_ddp_gan_whose_generator_backs_up_twice_trains_as_one_process(results: Any) -> None:
+    """G(noise) inside D's step, G's adversarial and L1 losses: accumulate 1, 2 and 3 (ragged)."""
+    for r in results["gan_whose_generator_backs_up_twice"]:
+        assert {k: v["updates"] for k, v in r.items()} == {1: (5, 5), 2: (3, 3), 3: (2, 2)}
+        assert all(v["same"] and v["diff"] < 1e-6 for v in r.values()), r
+
+
+def test_gradients_cleared_as_a_by_hand_window_opens_do_not_refuse_it(results: Any) -> None:
+    """A stray backward before a window later reduced by hand is dropped, not an error."""
+    for r in results["gradients_cleared_as_a_window_opens_are_not_its_own"]:
+        assert r["updates"] == 1 and r["same"] and r["diff"] < 1e-6
+
+
+def test_windows_reduced_by_hand_still_take_rank_zeros_buffers(results: Any) -> None:
+    """BatchNorm running statistics as with DDP's own reduction, on both ranks."""
+    for r in results["buffers_follow_rank_zero_when_windows_are_reduced_by_hand"]:
+        assert r["diff"] < 1e-6

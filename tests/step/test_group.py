@@ -260,3 +260,315 @@ def test_a_group_checkpoints_and_resumes_every_member(tmp_path: Path) -> None:
     train(second, data[4:])
     for a, b in ((whole[0], second[0]), (whole[1], second[1])):
         assert_bit_equal(params(a), params(b))
+
+
+def _skipping_group(every: int = 3) -> tuple[nn.Module, nn.Module, loopkit.step, loopkit.step, Any]:
+    G, D = _gan()
+    d_step = loopkit.step(D, _opt(D), accumulate=every)
+    g_step = loopkit.step(G, _opt(G), accumulate=every, frozen=[D])
+    return G, D, d_step, g_step, loopkit.steps(d_step, g_step)
+
+
+def _train_skipping(
+    batches: list[Any], every: int, ask: Any = None, g_on: Any = None
+) -> tuple[nn.Module, nn.Module, loopkit.step, loopkit.step, Any]:
+    """D on every batch, G on each window's first batch only; ``ask(group)`` after both."""
+    G, D, d_step, g_step, group = _skipping_group(every)
+    for i, (real, noise) in enumerate(group.iterate(batches)):
+        with d_step as s:
+            s.backward(D(real).mean())
+        if (g_on or (lambda i: i % every == 0))(i):
+            with g_step as s:
+                s.backward(D(G(noise)).mean())
+        if ask is not None and ask(group):
+            break
+    return G, D, d_step, g_step, group
+
+
+def test_loop_control_sees_the_end_of_a_window_whose_last_batch_skips_a_member(
+    tmp_path: Path,
+) -> None:
+    """until, cadence and maybe_save after the batch's micro-steps see each boundary; the
+    weights are those of the same loop without them (G's window closed after the batch)."""
+    data = _data(12)
+    seen: dict[str, Any] = {"fired": []}
+
+    def ask(group: Any) -> bool:
+        if "stop" not in seen:
+            seen["ckpt"] = loopkit.Checkpointer(tmp_path, model=nn.Linear(1, 1), step=group)
+            seen["stop"] = loopkit.until(group, max_updates=3, signals=())
+            seen["cadence"] = loopkit.cadence(group, updates=1)
+        seen["ckpt"].maybe_save(every=1)
+        if seen["cadence"].due():
+            seen["fired"].append(group.updates)
+        return bool(seen["stop"].check())
+
+    G, D, d_step, g_step, group = _train_skipping(data, 3, ask)
+    assert seen["stop"].reason == "max_updates" and seen["fired"] == [1, 2, 3]
+    assert [p.name for p in seen["ckpt"].checkpoints()] == [f"ckpt-{u:010d}.pt" for u in (1, 2, 3)]
+    assert (group.updates, d_step.updates, g_step.updates, group.micro_step) == (3, 3, 3, 0)
+    G_ref, D_ref, *_ = _train_skipping(data[:9], 3)
+    assert_bit_equal(params(G), params(G_ref))
+    assert_bit_equal(params(D), params(D_ref))
+
+
+def test_a_member_never_entered_in_a_window_leaves_the_boundary_visible() -> None:
+    """G on the first batch of the odd windows only, never in the even ones: every window's
+    end is seen after the batch's micro-steps, G counts its own windows."""
+    ends = []
+
+    def ask(group: Any) -> bool:
+        ends.append(group.micro_step == 0)
+        return False
+
+    *_, d_step, g_step, group = _train_skipping(_data(8), 2, ask, lambda i: i % 4 == 2)
+    assert ends == [False, True] * 4
+    assert (group.updates, d_step.updates, g_step.updates) == (4, 4, 2)
+
+
+def test_a_member_entered_after_the_boundary_was_read_is_refused() -> None:
+    """On a window's last batch, reading group.micro_step closes G's window: G entered after
+    it raises before its micro-step opens, and the loop goes on."""
+    G, D, d_step, g_step, group = _skipping_group(2)
+    for i, (real, noise) in enumerate(group.iterate(_data(4))):
+        with d_step as s:
+            s.backward(D(real).mean())
+        if i == 0:
+            with g_step as s:
+                s.backward(D(G(noise)).mean())
+        if i == 1:
+            assert group.micro_step == 0 and g_step.updates == 1
+            with pytest.raises(RuntimeError, match="after the group closed its window"):
+                g_step.__enter__()
+            assert g_step.micro_step == 0 and not g_step.accumulator._inside
+    assert (group.updates, d_step.updates, g_step.updates) == (2, 2, 1)
+
+
+def test_leaving_the_loop_on_a_windows_last_batch_counts_that_window_once() -> None:
+    """A break before the group closes G's window: flush() closes it, with no second count."""
+    *_, d_step, g_step, group = _train_skipping(_data(6), 2, lambda group: group.updates == 2)
+    assert g_step.micro_step == 1  # nothing read micro_step: G's window is still open
+    group.flush()
+    assert (group.updates, d_step.updates, g_step.updates) == (2, 2, 2)
+
+
+def _both_members(
+    batches: list[Any], ask: Any = None, top: bool = False, every: int = 2, on: Any = None
+) -> tuple[nn.Module, nn.Module, Any]:
+    """D and G on each window's first batch only (or where ``on(i)``); ``ask(group)`` after
+    both (``top``: before them)."""
+    G, D, d_step, g_step, group = _skipping_group(every)
+    for i, (real, noise) in enumerate(group.iterate(batches)):
+        if top and ask is not None and ask(group):
+            break
+        if (on or (lambda i: i % every == 0))(i):
+            with d_step as s:
+                s.backward(D(real).mean())
+            with g_step as s:
+                s.backward(D(G(noise)).mean())
+        if not top and ask is not None and ask(group):
+            break
+    return G, D, group
+
+
+def test_a_windows_last_batch_entering_no_member_is_closed_for_loop_control(
+    tmp_path: Path,
+) -> None:
+    """No member on a window's last batch: until, cadence and maybe_save asked after the
+    batch still see its boundary, and the weights are those of the loop without them."""
+    data = _data(9)
+    seen: dict[str, Any] = {"fired": []}
+
+    def ask(group: Any) -> bool:
+        if "stop" not in seen:
+            seen["ckpt"] = loopkit.Checkpointer(tmp_path, model=nn.Linear(1, 1), step=group)
+            seen["stop"] = loopkit.until(group, max_updates=2, signals=())
+            seen["cadence"] = loopkit.cadence(group, updates=1)
+        seen["ckpt"].maybe_save(every=1)
+        if seen["cadence"].due():
+            seen["fired"].append(group.updates)
+        return bool(seen["stop"].check())
+
+    G, D, group = _both_members(data, ask, every=3)
+    assert seen["stop"].reason == "max_updates" and seen["fired"] == [1, 2]
+    assert [p.name for p in seen["ckpt"].checkpoints()] == [f"ckpt-{u:010d}.pt" for u in (1, 2)]
+    assert group.updates == 2 and group.micro_step == 0
+    G_ref, D_ref, _ = _both_members(data[:6], every=3)
+    assert_bit_equal(params(G), params(G_ref))
+    assert_bit_equal(params(D), params(D_ref))
+
+
+def test_a_member_entered_after_a_read_closed_a_memberless_last_batch_is_refused() -> None:
+    """Loop control asked after the micro-steps: a read on a last batch with no member yet
+    closes both windows, so a member entered afterwards raises and the loop goes on."""
+    _, D, d_step, g_step, group = _skipping_group(2)
+    for i, (real, _) in enumerate(group.iterate(_data(4))):
+        if i % 2 == 0:
+            with d_step as s:
+                s.backward(D(real).mean())
+            assert group.micro_step == 1  # read after the micro-step: the loop asks after
+        else:
+            assert group.micro_step == 0 and d_step.updates == i // 2 + 1
+            with pytest.raises(RuntimeError, match="no member had been entered on"):
+                d_step.__enter__()
+            assert d_step.micro_step == 0 and not d_step.accumulator._inside
+    assert (group.updates, d_step.updates, g_step.updates) == (2, 2, 0)
+
+
+@pytest.mark.parametrize("every_batch", [True, False])
+def test_loop_control_asked_at_the_top_of_the_body_closes_no_window(every_batch: bool) -> None:
+    """until/cadence asked before the micro-steps: on a window's last batch that read closes
+    nothing (the members entered after it are not refused), whatever the batch trains."""
+    data, seen, opened = _data(6), [], []
+    on = (lambda i: True) if every_batch else None
+
+    def ask(group: Any) -> bool:
+        if not seen:
+            seen.extend([loopkit.until(group, max_updates=9, signals=()),
+                         loopkit.cadence(group, updates=1)])  # fmt: skip
+        opened.append(group.micro_step)
+        return bool(seen[1].due()) and bool(seen[0].check())
+
+    G, D, group = _both_members(data, ask, top=True, on=on)
+    # Each window's last batch begins with both windows open (1), the next one with none.
+    assert opened == [0, 1, 0, 1, 0, 1] and group.updates == 3
+    G_ref, D_ref, _ = _both_members(data, on=on)
+    assert_bit_equal(params(G), params(G_ref))
+    assert_bit_equal(params(D), params(D_ref))
+
+
+class _ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.actor, self.critic = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, detach: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.actor(h), self.critic(h.detach() if detach else h)
+
+
+def _actor_critic(frozen: bool = False, every: int = 2) -> Any:
+    """Actor (trunk + actor head) and critic (its head) steps on one model, and the data."""
+    model = _ActorCritic().double()
+    opt_a = torch.optim.SGD([*model.trunk.parameters(), *model.actor.parameters()], lr=0.1)
+    opt_c = torch.optim.SGD(model.critic.parameters(), lr=0.1)
+    a_step = loopkit.step(model, opt_a, accumulate=every)
+    c_step = loopkit.step(model, opt_c, accumulate=every, frozen=[model.trunk] if frozen else [])
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(2 * every)]
+    return model, copy.deepcopy(model), data, (a_step, c_step)
+
+
+def _train_actor_critic(model: nn.Module, data: list[Any], a_step: Any, c_step: Any,
+                        detach: bool = False) -> None:  # fmt: skip
+    for x in loopkit.steps(a_step, c_step).iterate(data):
+        with a_step as s:
+            s.backward(model(x)[0].pow(2).mean())
+        with c_step as s:
+            s.backward((model(x, detach)[1] - 1).pow(2).mean())
+
+
+def test_a_members_loss_reaching_another_members_parameters_is_refused() -> None:
+    """Actor and critic share a trunk, no frozen=: refused at the critic's first backward,
+    with nothing back-propagated (the critic head has no gradient, the trunk only the actor's)."""
+    model, start, data, steps = _actor_critic()
+    with pytest.raises(RuntimeError, match=r"frozen=\[shared_module\]") as info:
+        _train_actor_critic(model, data, *steps)
+    assert "steps[1] (_ActorCritic)" in str(info.value)
+    assert all(p.grad is None for p in model.critic.parameters())
+    start(data[0])[0].pow(2).mean().div(2).backward()  # the actor's micro-step, normalized
+    assert_bit_equal([p.grad for p in model.trunk.parameters()],
+                     [p.grad for p in start.trunk.parameters()])  # fmt: skip
+
+
+@pytest.mark.parametrize("mistake", ["G without frozen=[D]", "D on an undetached fake"])
+def test_a_gan_whose_backward_reaches_the_other_model_is_refused(mistake: str) -> None:
+    """The two GAN slips the group cannot normalize: refused, naming frozen= and detach."""
+    G, D = _gan()
+    d_step = loopkit.step(D, _opt(D), accumulate=2)
+    g_step = loopkit.step(G, _opt(G), accumulate=2, frozen=[] if "frozen" in mistake else [D])
+    noise = _data(1)[0][1]
+    for _ in loopkit.steps(d_step, g_step).iterate([0]):
+        with pytest.raises(RuntimeError, match=r"frozen=.*detach"):
+            with d_step as s:
+                fake = G(noise)
+                s.backward(D(fake if "undetached" in mistake else fake.detach()).mean())
+            with g_step as s:
+                s.backward(D(fake).mean())
+    assert all(p.grad is None for p in G.parameters())
+
+
+def _trunk_reference(start: nn.Module, data: list[torch.Tensor], every: int) -> list[torch.Tensor]:
+    """float64 by hand: the actor trains trunk and head, the critic its head on the trunk as
+    it is at its micro-step (updated by the actor's step on a window's last batch)."""
+    ref = copy.deepcopy(start)
+    opt_a = torch.optim.SGD([*ref.trunk.parameters(), *ref.actor.parameters()], lr=0.1)
+    opt_c = torch.optim.SGD(ref.critic.parameters(), lr=0.1)
+    for i, x in enumerate(data):
+        last = (i + 1) % every == 0
+        (ref(x)[0].pow(2).mean() / every).backward()
+        if last:
+            opt_a.step()
+            opt_a.zero_grad(set_to_none=True)
+        v = ref.critic(torch.tanh(ref.trunk(x)).detach())
+        ((v - 1).pow(2).mean() / every).backward()
+        if last:
+            opt_c.step()
+            opt_c.zero_grad(set_to_none=True)
+    return params(ref)
+
+
+@pytest.mark.parametrize("how", ["frozen trunk", "detached features"])
+def test_a_shared_trunk_given_to_one_optimizer_trains_exactly(how: str) -> None:
+    """The fixes the refusal names: each equals the float64 updates made by hand."""
+    model, start, data, steps = _actor_critic(frozen=how == "frozen trunk")
+    _train_actor_critic(model, data, *steps, detach=how == "detached features")
+    torch.testing.assert_close(params(model), _trunk_reference(start, data, 2), rtol=0, atol=1e-12)
+
+
+class _CheckpointedActorCritic(_ActorCritic):
+    """The trunk under a reentrant checkpoint, whose parameters autograd hides until backward."""
+
+    def forward(self, x: torch.Tensor, detach: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.trunk, x.requires_grad_(True), use_reentrant=True).tanh()
+        features = h.detach().requires_grad_(True) if detach else h  # reentrant: an input with grad
+        return self.actor(h), checkpoint(self.critic, features, use_reentrant=True)
+
+
+def test_a_shared_trunk_behind_a_reentrant_checkpoint_is_refused() -> None:
+    """checkpoint(use_reentrant=True) hides the trunk from the graph walk: the critic's loss
+    still reaches it, so the group refuses, naming the reentrant checkpoint."""
+    model = _CheckpointedActorCritic().double()
+    opt_a = torch.optim.SGD([*model.trunk.parameters(), *model.actor.parameters()], lr=0.1)
+    opt_c = torch.optim.SGD(model.critic.parameters(), lr=0.1)
+    a_step, c_step = (
+        loopkit.step(model, opt_a, accumulate=2),
+        loopkit.step(model, opt_c, accumulate=2),
+    )
+    data = [torch.randn(5, 4, dtype=torch.float64) for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"reentrant checkpoint") as info:
+        _train_actor_critic(model, data, a_step, c_step)
+    assert "steps[1]" in str(info.value) and "trunk" in str(info.value)
+    assert all(p.grad is None for p in model.critic.parameters())
+
+
+def test_a_reentrant_checkpoint_of_a_members_own_parameters_trains_exactly() -> None:
+    """A critic head under a reentrant checkpoint on detached features reaches only its own
+    parameters: accepted, and equal to the float64 updates made by hand."""
+    model = _CheckpointedActorCritic().double()
+    start = copy.deepcopy(model)
+    opt_a = torch.optim.SGD([*model.trunk.parameters(), *model.actor.parameters()], lr=0.1)
+    opt_c = torch.optim.SGD(model.critic.parameters(), lr=0.1)
+    a_step, c_step = (
+        loopkit.step(model, opt_a, accumulate=2),
+        loopkit.step(model, opt_c, accumulate=2),
+    )
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(4)]
+    _train_actor_critic(model, data, a_step, c_step, detach=True)
+    ref = _ActorCritic().double()
+    ref.load_state_dict(start.state_dict())
+    torch.testing.assert_close(params(model), _trunk_reference(ref, data, 2), rtol=0, atol=1e-12)
