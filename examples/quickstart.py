@@ -1,7 +1,8 @@
 """Train a small MLP on synthetic regression data on the CPU with loopkit.
 
-The loop is an ordinary ``for`` loop; loopkit adds bf16 autocast, batch transfer and
-logging that reads the device once every 50 steps instead of calling ``.item()`` each step.
+The loop is an ordinary ``for`` loop around ``loopkit.step``, which adds bf16 autocast, the
+batch transfer, the update and logging that reads the device once every 50 steps instead of
+calling ``.item()`` each step.
 
     python examples/quickstart.py [--steps 300] [--precision bf16]
 """
@@ -35,7 +36,6 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
 
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    amp = loopkit.autocast_step(args.precision, device_type=device.type)
     history: list[float] = []
 
     def report(metrics: dict[str, float], *, step: int) -> None:
@@ -43,15 +43,11 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
         print(f"step {step:4d}  loss {metrics['loss']:.4f}")
 
     log = loopkit.detach_logging(every=50, sink=report)
-
-    for batch in loader:
-        x, y = loopkit.to_device(batch, device)
-        with amp:
-            loss = nn.functional.mse_loss(model(x), y)
-        amp.backward(loss)
-        amp.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        log(loss=loss)  # detached, stays on the device: no host sync here
+    # One object composes autocast, the transfer of each batch, the update and the logging.
+    step = loopkit.step(model, optimizer, precision=args.precision, device=device, log=log)
+    for x, y in step.iterate(loader):
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))  # logged detached: no host sync
     log.flush()
     first, last = history[0], history[-1]
     print(f"loss went from {first:.4f} to {last:.4f} in {log.step} steps ({args.precision})")

@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
             precision=args.precision,
             accumulate=args.accumulate,
             clip_grad_norm=1.0,
-            log=loopkit.detach_logging(every=8, sink=loopkit.print_sink),
+            # sync_ranks=True: the logged loss is the mean over every rank's micro-batches
+            # (one collective per log interval), printed once, by rank zero.
+            log=loopkit.detach_logging(every=8, sink=loopkit.print_sink, sync_ranks=True),
         )
         for _ in range(args.epochs):
             for x, y in step.iterate(loader):

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         resumed = ckpt.resume()
         if resumed is not None:
-            print(f"resumed from {resumed.name} at update {step.updates}", flush=True)
+            say(f"resumed from {resumed.name} at update {step.updates}")
         for _ in stop.epochs(loader):  # ends on a stop or after --epochs, then saves
             for batch in step.iterate(loader):
                 with step as s:
@@ -163,17 +163,23 @@ def main(argv: list[str] | None = None) -> None:
                         early.observe(metrics)
                 saved = ckpt.maybe_save(every=args.save_every)
                 if saved is not None:
-                    print(f"saved {saved.name}", flush=True)
+                    say(f"saved {saved.name}")
                 if stop.check():  # at a window boundary, agreed by every rank
                     break
                 time.sleep(args.slow)
         if stop.preempted:
-            print(f"preempted at update {step.updates} by {stop.reason}: saved", flush=True)
+            say(f"preempted at update {step.updates} by {stop.reason}: saved")
             return
         if args.out and distributed.is_rank_zero():
             inner = getattr(model, "module", model)
             torch.save({k: v.detach().clone() for k, v in inner.state_dict().items()}, args.out)
-        print(f"finished at update {step.updates} ({stop.reason})", flush=True)
+        say(f"finished at update {step.updates} ({stop.reason})")
+
+
+@distributed.rank_zero_only
+def say(line: str) -> None:
+    """Print once per job (rank zero), not once per process."""
+    print(line, flush=True)
 
 
 def squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:

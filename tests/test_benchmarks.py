@@ -114,3 +114,13 @@ def test_preload_benchmark_quick(tmp_path: Path) -> None:
     assert len(rates) == 3 and rates[2] > rates[0]
     assert set(result["pss_mib"]) == {"0", "2"}
     assert result["build_s"] > 0 and result["open_s"] < result["build_s"]
+
+
+def test_first_use_benchmark_quick() -> None:
+    """--quick --json: each contender's first update comes after its step was built, and
+    loopkit's row is there (timings are printed, never asserted)."""
+    rows = {r["contender"]: r for r in _json("benchmarks/first_use.py", "--quick")}
+    assert {"plain", "loopkit"} <= set(rows)
+    for r in rows.values():
+        assert 0 < r["to_built_s"] <= r["to_first_update_s"]
+    assert rows["plain"]["over_plain_s"] == 0

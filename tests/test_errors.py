@@ -41,6 +41,11 @@ def _acc_backward_outside() -> None:
     loopkit.accumulate(m, o, every=2).backward(m(torch.ones(1, 8)).sum())
 
 
+def _step_backward_outside() -> None:
+    m, o = _model_opt()
+    loopkit.step(m, o, accumulate=2).backward(m(torch.ones(1, 8)).sum())
+
+
 def _acc_reenter() -> None:
     m, o = _model_opt()
     acc = loopkit.accumulate(m, o, every=2)
@@ -332,6 +337,18 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         lambda t: _acc_backward_outside(),
         RuntimeError,
         "inside `with acc:`",
+    ),
+    (
+        "step backward outside",
+        lambda t: _step_backward_outside(),
+        RuntimeError,
+        "s.backward(loss) must be called inside `with step as s:`",
+    ),
+    (
+        "step accumulate=0 named as written",
+        lambda t: loopkit.step(*_model_opt(), accumulate=0),
+        ValueError,
+        "accumulate= must be an int >= 1",
     ),
     ("accumulate nested", lambda t: _acc_reenter(), RuntimeError, "once per micro-batch"),
     (

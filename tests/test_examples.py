@@ -60,3 +60,33 @@ def test_preloaded_example_builds_once_then_opens_and_learns(tmp_path: Path) -> 
         assert proc.stdout.startswith(word), proc.stdout
         m = re.search(r"final accuracy ([\d.]+)", proc.stdout)
         assert m and float(m.group(1)) > 0.8, proc.stdout
+
+
+def test_accelerate_port_resumes_finished_and_two_processes_agree(tmp_path: Path) -> None:
+    """examples/port_accelerate_clm.py: perplexity falls; relaunched after it finished, it
+    resumes at its end and reports the same perplexity; under torchrun with 2 processes it
+    ends at the 1-process weights (token-weighted windows, every document evaluated once)."""
+    from helpers import launch_env
+
+    def run(*cmd: str, out: Path) -> str:
+        proc = subprocess.run(
+            [*cmd, "examples/port_accelerate_clm.py", "--dir", str(out.with_suffix("")),
+             "--out", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env(),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout
+
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    first = run(sys.executable, out=one)
+    ppl = [float(p) for p in re.findall(r"perplexity ([\d.]+) over", first)]
+    assert len(ppl) == 2 and ppl[1] < 0.8 * ppl[0], first
+    final = re.findall(r"finished: 20 updates \(max_epochs\); perplexity ([\d.]+)", first)
+    again = run(sys.executable, out=one)
+    assert "resumed from ckpt-0000000020.pt at update 20" in again
+    assert re.findall(r"finished: 20 updates \(max_epochs\); perplexity ([\d.]+)", again) == final
+    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        out=two)  # fmt: skip
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    # fp32, AdamW (which magnifies reduction-order rounding of small gradients): 1e-4.
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4

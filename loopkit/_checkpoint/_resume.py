@@ -7,7 +7,7 @@ far is put back (``_contract.load_all``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import _ranks
@@ -78,13 +78,17 @@ def agreed(target: Path | None, error: Exception | None) -> Exception | None:
 
 
 def read_agreed(
-    directory: Path, target: Path | None, pieces: Mapping[str, StatePiece]
+    directory: Path,
+    target: Path | None,
+    pieces: Mapping[str, StatePiece],
+    older: Sequence[Path] = (),
 ) -> tuple[Mapping[str, object], files.Moves]:
     """``target``'s checked state (empty for None) once every rank could resume from it.
 
     Rank zero moves the checkpoints newer than ``target`` aside (a new lineage); the moves
     are returned, to be undone if loading fails. Raises the error every rank agreed on,
-    with nothing moved.
+    with nothing moved; when ``target`` is the newest and unreadable, the error names the
+    ``older`` checkpoints that a resume by path can use.
     """
     error: Exception | None = None
     moved: files.Moves = []
@@ -100,6 +104,15 @@ def read_agreed(
     except Exception as err:  # damaged past what check_file names, or the move aside failed
         error = CheckpointError(f"{target}: cannot resume from it: {err!r}")
         error.__cause__ = err
+    if error is not None and older and "unreadable" in str(error):
+        names = ", ".join(p.name for p in reversed(older[-3:]))
+        cause = error
+        error = CheckpointError(
+            f"{error}. The newest checkpoint is damaged (a save cut short?); older ones are "
+            f"in {directory} ({names}{', ...' if len(older) > 3 else ''}): resume the newest "
+            f"of them with ckpt.resume({str(older[-1])!r}) (newer files are moved aside)"
+        )
+        error.__cause__ = cause
     error = agreed(target, error)
     if error is not None:
         files.move_back(moved)

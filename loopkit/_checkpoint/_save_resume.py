@@ -266,13 +266,9 @@ class Checkpointer:
                 f"{acc.every} micro-steps done): call it before the training loop"
             )
         self._used = True  # even a refused resume: pieces added now would miss its checks
-        target: Path | None
-        if path is None:
-            found = self.checkpoints()
-            target = found[-1] if found else None
-        else:
-            target = Path(path)
-        state, moved = read_agreed(self.directory, target, self.pieces)
+        found = self.checkpoints() if path is None else []
+        target = (found[-1] if found else None) if path is None else Path(path)
+        state, moved = read_agreed(self.directory, target, self.pieces, older=found[:-1])
         if _ranks.world()[0] == 0:
             files.remove_stale_temporaries(self.directory)  # a crashed save's leftovers
         if target is None:

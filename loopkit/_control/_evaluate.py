@@ -38,6 +38,7 @@ from .._precision import resolve_precision
 from .._step import _compose
 from .._sync_points import expected_sync
 from .._types import DeviceLike, PrecisionLike
+from ._prepared import accelerate_shard
 from ._rank_zero_buffers import RankZeroBuffers
 
 Metrics = Mapping[str, torch.Tensor]
@@ -47,7 +48,12 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Evaluation(Mapping[str, float]):
-    """Sample-weighted means by name (``result["loss"]``), with ``sums`` and ``samples``."""
+    """Sample-weighted means by name (``result["loss"]``), with ``sums`` and ``samples``.
+
+    ``result[name]`` is a mean **per sample** (per document, per image): for a per-token
+    metric such as a language model's loss, return each sample's sum and its token count
+    and read ``result.ratio("nll", "tokens")``.
+    """
 
     def __init__(self, sums: dict[str, float], samples: int) -> None:
         self.sums = sums
@@ -58,6 +64,18 @@ class Evaluation(Mapping[str, float]):
 
     def __getitem__(self, name: str) -> float:
         return self.means[name]
+
+    def ratio(self, numerator: str, denominator: str) -> float:
+        """``sums[numerator] / sums[denominator]``: a ratio of exact totals (NLL per token)."""
+        for name in (numerator, denominator):
+            if name not in self.sums:
+                raise KeyError(
+                    f"ratio: no metric {name!r}; fn returned {sorted(self.sums)} (return "
+                    "both the numerator and the denominator per sample)"
+                )
+        if self.sums[denominator] == 0:
+            raise ZeroDivisionError(f"ratio: the sum of {denominator!r} over the data set is 0")
+        return self.sums[numerator] / self.sums[denominator]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.means)
@@ -257,9 +275,14 @@ def _shard(loader: Iterable[Any], disjoint: bool) -> tuple[Iterable[Any], int | 
         inner: Iterable[Any] = loader.loader
     elif isinstance(loader, DataLoader):
         batch_sampler = loader.batch_sampler
+        shards = getattr(batch_sampler, "num_processes", None)  # Accelerate's BatchSamplerShard
+        if shards is not None:
+            batch_sampler, disjoint, counted = accelerate_shard(batch_sampler, shards, disjoint)
         if isinstance(batch_sampler, BatchSampler) and batch_sampler.drop_last:
             raise ValueError(_DROPS)
-        sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else None
+        if shards is not None and counted is not None:
+            return loader, counted
+        sampler = getattr(batch_sampler, "sampler", None)
         inner = loader
     else:
         sampler, inner = None, loader

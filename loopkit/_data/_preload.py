@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from .. import _ranks
 from .._job import info
-from . import _cache_files
+from . import _cache_admin, _cache_files
 from ._cache_files import check_sizes, complete, read_meta
 from ._cache_handoff import Announcer, job_token, wait_for
 from ._cache_trust import check_cache, check_root, default_roots, make_root
@@ -104,6 +104,15 @@ class Preloaded(Dataset[Any]):
 
     def __len__(self) -> int:
         return self._n
+
+    def remove(self) -> bool:
+        """Delete this cache's directory (False if it was already gone): frees its RAM or disk.
+
+        This process keeps reading what it mapped until it drops the object; a later
+        ``preload`` builds the cache again. Under torchrun call it on one rank per node
+        (``info().local_rank == 0``), after every rank is done with the cache.
+        """
+        return _cache_admin.remove(self.path)
 
     def _item_field(self, j: int, index: int) -> torch.Tensor:
         f, offsets, shapes = self.fields[j], self.offsets[j], self.shapes[j]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -64,17 +65,31 @@ class ScalarWriter(Protocol):
 
 
 class TensorBoardSink:
-    """Write reduced metrics as TensorBoard scalars (needs the ``tensorboard`` extra)."""
+    """Write reduced metrics as TensorBoard scalars (needs the ``tensorboard`` extra).
 
-    def __init__(self, log_dir: str | None = None, *, writer: ScalarWriter | None = None) -> None:
+    ``log_dir`` is required (unless ``writer=`` is given): a default would write into
+    ``./runs/`` of whatever directory the script was started from.
+    """
+
+    def __init__(
+        self, log_dir: str | os.PathLike[str] | None = None, *, writer: ScalarWriter | None = None
+    ) -> None:
+        if writer is None and log_dir is None:
+            raise TypeError(
+                "TensorBoardSink needs the directory to write to: TensorBoardSink('runs/exp1') "
+                "(or writer= a SummaryWriter you made)"
+            )
+        if writer is not None and log_dir is not None:
+            raise TypeError("TensorBoardSink takes log_dir or writer=, not both")
         if writer is None:
+            assert log_dir is not None  # checked above
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:  # pragma: no cover - depends on the environment
                 raise ImportError(
-                    "TensorBoardSink needs tensorboard: pip install 'loopkit[tensorboard]'"
+                    "TensorBoardSink needs tensorboard: pip install 'torch-loopkit[tensorboard]'"
                 ) from err
-            writer = SummaryWriter(log_dir=log_dir)
+            writer = SummaryWriter(log_dir=os.fspath(log_dir))
         self.writer = writer
 
     def __call__(self, metrics: dict[str, float], *, step: int) -> None:

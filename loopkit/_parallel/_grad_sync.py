@@ -9,6 +9,7 @@ the previous setting is restored on exit rather than forced back to True.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -21,14 +22,18 @@ from .. import _ranks
 from .._sync_points import expected_sync
 from .._types import SyncKind
 
-try:  # FSDP2, public since torch 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - builds without distributed support
-    FSDPModule = None  # type: ignore[assignment,misc]  # a build without distributed
-try:  # FSDP1
-    from torch.distributed.fsdp import FullyShardedDataParallel
-except ImportError:  # pragma: no cover
-    FullyShardedDataParallel = None  # type: ignore[assignment,misc]  # a build without distributed
+
+def _fsdp_types() -> tuple[Any, Any]:
+    """``(FSDPModule, FullyShardedDataParallel)``, or None for each not loaded.
+
+    Importing ``torch.distributed.fsdp`` costs about 1.6 s, so loopkit never does it: a model
+    can only be an FSDP module if something already imported that package, which
+    ``sys.modules`` says exactly, for free.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return None, None
+    return getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -49,10 +54,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def _is_sync_wrapper(m: nn.Module) -> bool:
+    fsdp2, fsdp1 = _fsdp_types()
     return (
         isinstance(m, DistributedDataParallel)
-        or (FullyShardedDataParallel is not None and isinstance(m, FullyShardedDataParallel))
-        or (FSDPModule is not None and isinstance(m, FSDPModule))
+        or (fsdp1 is not None and isinstance(m, fsdp1))
+        or (fsdp2 is not None and isinstance(m, fsdp2))
     )
 
 
@@ -61,11 +67,12 @@ def sync_kind(model: nn.Module) -> SyncKind:
     m = unwrap(model)
     if isinstance(m, DistributedDataParallel):
         return "ddp"
-    if FullyShardedDataParallel is not None and isinstance(m, FullyShardedDataParallel):
+    fsdp2, fsdp1 = _fsdp_types()
+    if fsdp1 is not None and isinstance(m, fsdp1):
         return "fsdp1"
-    if FSDPModule is not None and isinstance(m, FSDPModule):
+    if fsdp2 is not None and isinstance(m, fsdp2):
         return "fsdp2"
-    if FSDPModule is not None and any(isinstance(c, FSDPModule) for c in m.modules()):
+    if fsdp2 is not None and any(isinstance(c, fsdp2) for c in m.modules()):
         return "fsdp2"
     return "none"
 
@@ -90,7 +97,8 @@ class no_sync(contextlib.ContextDecorator):
         self._fsdp2: list[Any] = []
         if self._kind == "fsdp2":
             root = self.model
-            self._fsdp2 = [m for m in root.modules() if isinstance(m, FSDPModule)]
+            fsdp2 = _fsdp_types()[0]
+            self._fsdp2 = [m for m in root.modules() if isinstance(m, fsdp2)]
         self._saved: list[Any] = []
 
     def __enter__(self) -> no_sync:

@@ -140,9 +140,10 @@ class accumulate(contextlib.ContextDecorator):
         """Optimizer updates done."""
         return self._progress.updates
 
-    @updates.setter
-    def updates(self, value: int) -> None:
-        self._progress.updates = value
+    @property
+    def updated(self) -> bool:
+        """Whether the last micro-step or ``flush()`` made an update (``step.updated``)."""
+        return self._window.micro == 0 and self._progress.last_updated
 
     @property
     def skipped(self) -> int:
@@ -252,9 +253,7 @@ class accumulate(contextlib.ContextDecorator):
         if self._inside:
             raise RuntimeError("flush() inside `with acc:`: call it after the micro-step ends")
         self._final_pending = False
-        if self._window.micro == 0:
-            return False
-        return self._boundary()
+        return self._boundary() if self._window.micro else False
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the items of ``iterable``, marking the last so its window closes on exit.

@@ -1,7 +1,7 @@
 """loopkit.step: the middlewares composed in one order, stated where it is implemented.
 
 The order is the numbered lines of ``step.__enter__``, ``step.backward`` and
-``step.__exit__`` (one line per middleware); the README's list is the same order in words.
+``step.__exit__`` (one line per middleware); docs/index.md says the same order in words.
 Each piece keeps the semantics it has alone; a disabled piece is not entered at all.
 """
 
@@ -28,6 +28,24 @@ from . import _accumulate
 
 T = TypeVar("T")
 
+
+
+def _check_accumulate(accumulate: object) -> None:
+    """Refuse a bad ``accumulate=``, named as the user wrote it (accumulate says ``every``)."""
+    if not is_int_at_least(accumulate, 1):
+        raise ValueError(
+            f"accumulate= must be an int >= 1 (micro-batches per optimizer update), got "
+            f"{accumulate!r}"
+        )
+
+
+def _refuse_outside(acc: _accumulate.accumulate) -> None:
+    """``s.backward`` outside ``with step as s:``, said in the step's terms."""
+    if not acc._inside:
+        raise RuntimeError(
+            "s.backward(loss) must be called inside `with step as s:` (it belongs to that "
+            "micro-step's window): indent it under the with block"
+        )
 
 class step(contextlib.ContextDecorator):
     """One reusable context manager per training loop: ``with step as s: ...; s.backward(loss)``.
@@ -67,6 +85,7 @@ class step(contextlib.ContextDecorator):
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        _check_accumulate(accumulate)
         if doctor is not None and not isinstance(doctor, _doctor.doctor):
             raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
         self._frozen = _Frozen(frozen, optimizer)
@@ -133,6 +152,7 @@ class step(contextlib.ContextDecorator):
         Call it several times in one micro-step to back-propagate several losses one at a
         time; ``inputs=``/``retain_graph=`` go to autograd.
         """
+        _refuse_outside(self.accumulator)
         # 5. autocast ends before backward, as torch recommends (backward ops take the
         #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
         if self._in_autocast:
@@ -223,6 +243,14 @@ class step(contextlib.ContextDecorator):
     def updates(self) -> int:
         """Optimizer updates done."""
         return self.accumulator.updates
+
+    @property
+    def updated(self) -> bool:
+        """Whether the last micro-step or ``flush()`` closed its window with an update.
+
+        Accelerate's ``sync_gradients``: False inside ``with``, mid-window, and on a skipped
+        update (inf/nan). Host-side: reading it never syncs."""
+        return self.accumulator.updated
 
     @property
     def skipped(self) -> int:

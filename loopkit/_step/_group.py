@@ -237,10 +237,10 @@ class _Asking:
 
     A window's last batch on which no member is entered has no micro-steps to follow: a
     read there comes after the loop body's micro-steps (close the open windows now, where
-    the README asks loop control) unless the loop asks before them, at the top of its body,
+    the docs ask loop control) unless the loop asks before them, at the top of its body,
     where closing would refuse the members it enters next. Which one is learned from the
     last batch that had both a read and a member entered (``until``/``cadence`` read on
-    every call); with no such batch yet, after (the README's loop).
+    every call); with no such batch yet, after (the docs' loop).
     """
 
     __slots__ = ("accs", "after", "batch", "before", "first", "some")

@@ -25,13 +25,14 @@ from ._window import Window
 class Progress:
     """What a user reads: updates made and skipped, the skip run, the last gradient norm."""
 
-    __slots__ = ("consecutive_skips", "grad_norm", "loaded", "skipped", "updates")
+    __slots__ = ("consecutive_skips", "grad_norm", "last_updated", "loaded", "skipped", "updates")
 
     def __init__(self) -> None:
         self.updates = 0
         self.skipped = 0
         self.consecutive_skips = 0
         self.grad_norm: torch.Tensor | None = None
+        self.last_updated = False  # whether the last window closed made an update (not a skip)
         self.loaded: int | None = None
         """Windows closed (updates and skips) as loaded from a checkpoint; None if never."""
 
@@ -171,6 +172,7 @@ class UpdateRule:
             opt.step()
             stepped = True
         # 5. Count, and step the scheduler only for a real update.
+        progress.last_updated = stepped
         if stepped:
             progress.updates += 1
             progress.consecutive_skips = 0

@@ -1,4 +1,4 @@
-"""Every rule, collected from the theme modules; which ones a run uses; the README table."""
+"""Every rule, collected from the theme modules; which ones a run uses; the docs table."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def rules_for(select: Iterable[str] | None) -> tuple[Rule, ...]:
 
 
 def markdown_table() -> str:
-    """The README's table of rules: code, theme, what it flags, the fix, on by default or not."""
+    """The rules table (docs/lint.md): code, theme, what it flags, the fix, on by default or not."""
     lines = [
         "| Code | Theme | What it flags | Fix | Default |",
         "| --- | --- | --- | --- | --- |",

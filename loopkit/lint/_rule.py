@@ -21,7 +21,7 @@ class Rule:
 
     code: str
     theme: Theme
-    flags: str  # what it flags, one line of markdown (the README table)
+    flags: str  # what it flags, one line of markdown (the docs table)
     why: str  # why it costs, ends every finding's message
     fix: str  # the loopkit line that fixes it
     check: Check

@@ -101,7 +101,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", dying_save)
-    run["step"].accumulator.updates += 1  # a new name, as after another update
+    run["step"].accumulator._progress.updates += 1  # a new name, as after another update
     with pytest.raises(OSError, match="disk full"):
         run["ckpt"].save()
     monkeypatch.setattr(torch, "save", real_save)
@@ -151,6 +151,26 @@ def test_damaged_files_give_a_clear_error_naming_the_file(damage: str, tmp_path:
     with pytest.raises(loopkit.CheckpointError) as info:
         _setup(tmp_path)["ckpt"].resume()
     assert str(path) in str(info.value)
+
+
+def test_a_truncated_newest_checkpoint_names_the_older_one_to_resume(tmp_path: Path) -> None:
+    """The newest file cut short: the error names the older checkpoint and the exact
+    ckpt.resume(path) call, and that call resumes it (its weights come back)."""
+    run = _setup(tmp_path)
+    _train(run, 1)
+    older = run["ckpt"].save()
+    assert older is not None
+    weights = [p.detach().clone() for p in run["model"].parameters()]
+    _train(run, 2)
+    newest = run["ckpt"].save()
+    assert newest is not None and newest != older
+    newest.write_bytes(newest.read_bytes()[:100])
+    again = _setup(tmp_path)
+    with pytest.raises(loopkit.CheckpointError, match="unreadable") as info:
+        again["ckpt"].resume()
+    assert f"ckpt.resume({str(older)!r})" in str(info.value)
+    assert again["ckpt"].resume(older) == older
+    assert all(torch.equal(a, b) for a, b in zip(again["model"].parameters(), weights, strict=True))
 
 
 def test_mismatched_model_or_objects_are_named(tmp_path: Path) -> None:

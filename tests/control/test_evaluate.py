@@ -5,6 +5,7 @@ The 2-process case (7 samples, batch 2: bit-identical sums) is in test_evaluate_
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any, ClassVar
 
@@ -210,3 +211,74 @@ def test_non_finite_values_give_nan_or_inf_not_an_error() -> None:
     batches = [(torch.ones(2, 4), torch.ones(2, 1)), (torch.ones(2, 4), -torch.ones(2, 1))]
     result = loopkit.evaluate(nn.Linear(4, 1), batches, fn)
     assert result.sums["v"] != result.sums["v"]  # nan
+
+
+def test_ratio_divides_the_exact_totals() -> None:
+    """ratio("nll", "tokens"): the summed numerator over the summed denominator (perplexity's
+    NLL per token), not a mean of per-sample ratios; unknown names and a zero total raise."""
+    model = nn.Linear(4, 1)
+    data = _data(9)
+
+    def nll_tokens(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        x, y = batch
+        tokens = torch.arange(1, len(x) + 1, dtype=torch.float32)  # unequal per sample
+        return {"nll": (m(x) - y).pow(2)[:, 0] * tokens, "tokens": tokens, "zero": 0 * tokens}
+
+    result = loopkit.evaluate(model, torch.utils.data.DataLoader(data, batch_size=4), nll_tokens)
+    with torch.no_grad():
+        per = [nll_tokens(model, (data.tensors[0][i : i + 4], data.tensors[1][i : i + 4]))
+               for i in range(0, 9, 4)]  # fmt: skip
+    nll = sum(p["nll"].double().sum().item() for p in per)
+    tokens = sum(p["tokens"].double().sum().item() for p in per)
+    assert result.ratio("nll", "tokens") == pytest.approx(nll / tokens, rel=1e-12)
+    assert abs(result.ratio("nll", "tokens") - result["nll"] / result["tokens"]) < 1e-12
+    assert abs(result.ratio("nll", "tokens") - result["nll"]) > 1e-3  # the per-sample mean
+    with pytest.raises(KeyError, match="no metric 'loss'"):
+        result.ratio("loss", "tokens")
+    with pytest.raises(ZeroDivisionError, match="'zero'"):
+        result.ratio("nll", "zero")
+
+
+def test_a_loader_accelerate_prepared_counts_every_sample_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process: a loader accelerator.prepare made gives the plain loader's result. Two
+    processes (its BatchSamplerShard has no .sampler: evaluate crashed): with even_batches
+    (the default, the last round padded with repeated samples) each rank's real samples are
+    counted, and over the ranks they are the data set, each once; without, all are real; a
+    shuffled sampler, whose padding cannot be found, is refused naming the fix."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.data_loader import BatchSamplerShard
+
+    from loopkit._control import _evaluate, _prepared
+
+    model = nn.Linear(4, 1)
+    plain = loopkit.evaluate(model, torch.utils.data.DataLoader(_data(7), batch_size=3), per_sample)
+    prepared = accelerate.Accelerator(cpu=True).prepare(
+        torch.utils.data.DataLoader(_data(7), batch_size=3)
+    )
+    got = loopkit.evaluate(model, prepared, per_sample)
+    assert got.samples == plain.samples == 7 and got.sums == plain.sums
+
+    def shard_of(n: int, rank: int, even: bool, split: bool, shuffle: bool = False) -> Any:
+        data = _data(n)
+        sampler: Any = (torch.utils.data.RandomSampler(data) if shuffle
+                        else torch.utils.data.SequentialSampler(data))  # fmt: skip
+        base = torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False)
+        shard = BatchSamplerShard(base, num_processes=2, process_index=rank, even_batches=even,
+                                  split_batches=split)  # fmt: skip
+        return torch.utils.data.DataLoader(data, batch_sampler=shard)
+
+    monkeypatch.setattr(_evaluate._ranks, "is_multi_rank", lambda group=None: True)
+    for n, even, split in itertools.product((1, 3, 7, 8, 9), (True, False), (False, True)):
+        real = []
+        for rank in (0, 1):
+            monkeypatch.setattr(_prepared._ranks, "world", lambda group=None, r=rank: (r, 2))
+            loader = shard_of(n, rank, even, split)
+            _, count = _evaluate._shard(loader, disjoint=False)
+            given = [int(i) for b in loader.batch_sampler for i in b]
+            real += given if count is None else given[:count]
+        assert sorted(real) == list(range(n)), (n, even, split)
+    monkeypatch.setattr(_prepared._ranks, "world", lambda group=None: (0, 2))
+    with pytest.raises(ValueError, match="shuffle=False"):
+        _evaluate._shard(shard_of(7, 0, True, False, shuffle=True), disjoint=False)

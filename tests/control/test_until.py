@@ -319,9 +319,9 @@ def test_sigterm_to_rank_1_only_stops_both_saves_once_exits_0_and_resumes_exactl
     os.kill(_worker_of_rank(proc.pid, 1), signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     reader.join(timeout=10)
-    # Both ranks print to one pipe: their lines may interleave, so search the whole text.
+    # The example prints once per job (rank zero); both ranks exited 0, so both stopped.
     stops = re.findall(r"preempted at update (\d+) by SIGTERM", "".join(lines))
-    assert len(stops) == 2 and len(set(stops)) == 1, "".join(lines)
+    assert len(stops) == 1, "".join(lines)
     update = int(stops[0])
     assert update < 24 and update % 2 == 0  # before the end, at a check (every 2 updates)
     newest = sorted(p.name for p in (tmp_path / "b").glob("ckpt-*.pt"))[-1]

@@ -5,7 +5,7 @@ A scenario: one ``loopkit.step`` or a ``steps`` group of two, ``accumulate=k``, 
 entered (with or without backward) or skipped per batch, ``until(max_updates=M)`` (or
 none), a ``cadence`` (``updates=N``, ``per_epoch=K`` or ``epochs=E``) and
 ``Checkpointer.maybe_save(every=S)``. ``due()``, ``maybe_save`` and ``check()`` are asked
-once per batch, after the last member's micro-step, as the README says.
+once per batch, after the last member's micro-step, as the docs say.
 
 The reference counts the windows by hand: a window ends on every k-th batch of a pass and
 on its last batch, and the clock's update count is the number of windows ended so far

@@ -1,5 +1,5 @@
 """loopkit.lint's rule registry: each rule declared once, covered by the corpus, run only when
-selected, listed in the README; and the linter runs where torch is not installed."""
+selected, listed in the docs (docs/lint.md); and the linter runs where torch is not installed."""
 
 from __future__ import annotations
 
@@ -109,13 +109,13 @@ def test_select_runs_only_the_selected_rules(invocations: Counter[str]) -> None:
     assert invocations == Counter(set(REGISTRY))
 
 
-def test_readme_table_comes_from_the_registry() -> None:
-    """README.md holds exactly markdown_table(): one row per rule, in code order."""
+def test_docs_table_comes_from_the_registry() -> None:
+    """docs/lint.md holds exactly markdown_table(): one row per rule, in code order."""
     table = lint.markdown_table()
     rows = table.splitlines()[2:]
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == list(REGISTRY)
     assert rows[-1].endswith("| off |") and rows[0].endswith("| on |")  # LK011 is opt-in
-    assert table in (ROOT / "README.md").read_text()
+    assert table in (ROOT / "docs" / "lint.md").read_text()
 
 
 def test_importing_the_linter_imports_no_torch() -> None:

@@ -157,6 +157,15 @@ def test_tensorboard_sink_writes_scalars() -> None:
     assert calls == [("loss", 2.0, 1), ("flush",)]
 
 
+def test_tensorboard_sink_needs_its_directory_said() -> None:
+    """No default directory (it was ./runs of wherever the script started): refused, saying
+    how; log_dir and writer= together are refused too."""
+    with pytest.raises(TypeError, match=r"needs the directory to write to: TensorBoardSink\("):
+        loopkit.TensorBoardSink()
+    with pytest.raises(TypeError, match="log_dir or writer=, not both"):
+        loopkit.TensorBoardSink("runs/x", writer=object())  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "hint"),
     [

@@ -207,7 +207,7 @@ def test_state_dict_round_trip() -> None:
         ({"device": "meta"}, ValueError, "move the model first"),
         ({"log": 0}, ValueError, "int >= 1"),
         ({"precision": "int8"}, ValueError, "'bf16', 'fp16' or 'fp32'"),
-        ({"accumulate": 0}, ValueError, "every must be an int >= 1"),
+        ({"accumulate": 0}, ValueError, "accumulate= must be an int >= 1"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], exc: type[Exception], hint: str) -> None:
@@ -291,3 +291,30 @@ def test_step_decorates_a_micro_step_function() -> None:
             r.backward(loss_fn(ref_model, batch))
     assert s.updates == 2
     assert_bit_equal(params(model), params(ref_model))
+
+
+def test_updated_says_which_micro_steps_ended_in_an_update() -> None:
+    """step.updated (Accelerate's sync_gradients): False inside `with` and mid-window, True
+    after a window's last micro-step and after the ragged window iterate closes, False
+    after a skipped update; flush() of a partial window sets it; reading it never syncs."""
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+                        skip_nonfinite=True)  # fmt: skip
+    assert step.updated is False
+    seen = []
+    data = [b[0] for b in batches([4] * 5)]
+    for i, x in enumerate(step.iterate(data)):
+        with step as s:
+            inside = step.updated
+            loss = model(x).pow(2).mean()
+            s.backward(loss * float("inf") if i == 3 else loss)
+        with loopkit.count_host_syncs() as syncs:
+            seen.append((inside, step.updated))
+        assert syncs.count == 0
+    assert seen == [(False, False), (False, True), (False, False), (False, False), (False, True)]
+    assert (step.updates, step.skipped) == (2, 1)
+    with step as s:
+        s.backward(model(data[0]).pow(2).mean())
+    assert step.updated is False
+    assert step.flush() is True and step.updated is True
+    assert step.accumulator.updated is True  # the same flag on accumulate alone

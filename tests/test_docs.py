@@ -1,0 +1,114 @@
+"""The documentation site builds with no warning, and every code block of it runs.
+
+Pages run as the README's blocks did: the capability pages in the site's order, in one
+namespace (they share the landing page's set-up), each migration guide in its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT
+
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```", flags=re.M | re.S)
+CHAIN = [
+    "index.md", "middlewares.md", "doctor.md", "lint.md", "several-models.md", "resuming.md",
+    "loop-control.md", "distributed.md", "preload.md", "guarantees.md", "performance.md",
+    "development.md",
+]  # fmt: skip
+ALONE = ["migrate/hand-loop.md", "migrate/accelerate.md"]
+NO_CODE = ["api.md"]
+
+
+def _blocks(page: str) -> list[tuple[str, str]]:
+    return FENCE.findall((DOCS / page).read_text())
+
+
+def _nav_pages() -> list[str]:
+    text = (ROOT / "mkdocs.yml").read_text()
+    return re.findall(r":\s+(\S+\.md)\s*$", text, flags=re.M)
+
+
+def test_every_page_is_in_the_nav_and_run_here() -> None:
+    """No page escapes the checks: each is in mkdocs.yml's nav and in one list above."""
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    assert pages == sorted(_nav_pages())
+    assert pages == sorted(CHAIN + ALONE + NO_CODE)
+    assert not any(_blocks(p) for p in NO_CODE)
+    assert {lang for p in pages for lang, _ in _blocks(p)} <= {"python", "bash"}
+
+
+def test_the_site_builds_with_no_warning(tmp_path: Path) -> None:
+    """mkdocs build --strict (warnings are errors): links, nav and the API reference."""
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    for name in ("loopkit.step", "loopkit.Checkpointer", "loopkit.distributed.loader"):
+        assert f'id="{name}"' in api, name
+
+
+def _run_python(pages: list[str], namespace: dict[str, object]) -> None:
+    for page in pages:
+        for i, (lang, body) in enumerate(_blocks(page)):
+            if lang == "python":
+                exec(compile(body, f"docs/{page} block {i}", "exec"), namespace)
+
+
+def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The pages' python blocks run in order, twice in the same folder: a second run does
+    what the first did (no block resumes or reuses what the first left)."""
+    runs = []
+    for _ in range(2):
+        monkeypatch.chdir(tmp_path)
+        chain: dict[str, object] = {"__name__": "__docs__"}
+        _run_python(CHAIN, chain)
+        for page in ALONE:
+            _run_python([page], {"__name__": "__docs__"})
+        net = chain["net"]
+        assert isinstance(net, torch.nn.Module)
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean() -> None:
+    """The bash blocks (multi-process launches) run from the repository root as a second run
+    would, over the files a first run left (stale ones here): each file is written anew and
+    every launch ends at the single-process weights; git status is unchanged. (Running them
+    twice would show the same at twice the cost: a minute of CI.)"""
+    scripts = [b for p in CHAIN + ALONE for lang, b in _blocks(p) if lang == "bash"]
+    scripts = [s for s in scripts if not s.startswith("python -m venv")]
+    assert scripts
+    env = dict(
+        os.environ,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        OMP_NUM_THREADS="1",
+    )
+    status = ["git", "status", "--porcelain", "--untracked-files=all"]
+    before = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
+    out_dir = ROOT / "runs" / "ddp"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = ("single", "ddp", "accelerate", "nodes")
+    for name in names:  # what an earlier run left, made stale: each must be rewritten
+        torch.save({"stale": torch.zeros(1)}, out_dir / f"{name}.pt")
+    for script in scripts:
+        proc = subprocess.run(["bash", "-e", "-c", script], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env=env)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = {n: torch.load(out_dir / f"{n}.pt", weights_only=True) for n in names}
+    for name, weights in out.items():
+        assert "stale" not in weights, name
+        diff = max((weights[k] - out["single"][k]).abs().max().item() for k in weights)
+        assert diff < 1e-6, name
+    assert subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout == before
