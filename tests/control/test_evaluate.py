@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import itertools
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, launch_env
 from torch import nn
 
 import loopkit
@@ -282,3 +286,40 @@ def test_a_loader_accelerate_prepared_counts_every_sample_once(
     monkeypatch.setattr(_prepared._ranks, "world", lambda group=None: (0, 2))
     with pytest.raises(ValueError, match="shuffle=False"):
         _evaluate._shard(shard_of(7, 0, True, False, shuffle=True), disjoint=False)
+
+
+_PREPARED_TWO = """
+import sys, torch, loopkit, accelerate
+from torch import nn
+torch.manual_seed(0)
+acc = accelerate.Accelerator(cpu=True)
+data = torch.utils.data.TensorDataset(torch.randn(7, 4), torch.randn(7, 1))
+model = nn.Linear(4, 1)
+def per_sample(m, b):
+    x, y = b
+    return {"loss": (m(x) - y).pow(2).mean(1)}
+loader = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2))
+shard = type(loader.batch_sampler).__name__
+result = loopkit.evaluate(model, loader, per_sample)
+exact = per_sample(model, data.tensors)["loss"].double().sum().item()
+print(f"rank {acc.process_index} of {acc.num_processes}: {shard} {result.samples} "
+      f"{abs(result.sums['loss'] - exact):.3g}", flush=True)
+"""
+
+
+def test_under_accelerate_launch_a_prepared_loader_counts_each_sample_once(
+    tmp_path: Path,
+) -> None:
+    """accelerate launch, 2 processes, even_batches (7 samples in batches of 2: the last
+    round padded with repeats): each rank's evaluate sees 7 samples and the exact sum."""
+    pytest.importorskip("accelerate")
+    script = tmp_path / "prepared.py"
+    script.write_text(_PREPARED_TWO)
+    launcher = Path(sys.executable).parent / "accelerate"
+    proc = subprocess.run(
+        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", str(script)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank "))
+    assert lines == [f"rank {r} of 2: BatchSamplerShard 7 0" for r in (0, 1)], proc.stdout
