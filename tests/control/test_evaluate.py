@@ -207,6 +207,7 @@ def test_modes_are_put_back_through_train() -> None:
 
 def test_non_finite_values_give_nan_or_inf_not_an_error() -> None:
     """inf and -inf among the values: the sum is nan (as a plain sum says), no exception."""
+
     def fn(m: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         v = torch.zeros(len(batch[0]), dtype=torch.float64)
         v[0] = float("inf") if batch[1][0, 0] > 0 else -float("inf")
@@ -302,8 +303,9 @@ loader = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2))
 shard = type(loader.batch_sampler).__name__
 result = loopkit.evaluate(model, loader, per_sample)
 exact = per_sample(model, data.tensors)["loss"].double().sum().item()
-print(f"rank {acc.process_index} of {acc.num_processes}: {shard} {result.samples} "
-      f"{abs(result.sums['loss'] - exact):.3g}", flush=True)
+said = (f"rank {acc.process_index} of {acc.num_processes}: {shard} {result.samples} "
+        f"{abs(result.sums['loss'] - exact):.3g}")
+open(f"{sys.argv[1]}/rank{acc.process_index}.txt", "w").write(said)  # one pipe would mix them
 """
 
 
@@ -317,9 +319,10 @@ def test_under_accelerate_launch_a_prepared_loader_counts_each_sample_once(
     script.write_text(_PREPARED_TWO)
     launcher = Path(sys.executable).parent / "accelerate"
     proc = subprocess.run(
-        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", str(script)],
+        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", str(script),
+         str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank "))
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert lines == [f"rank {r} of 2: BatchSamplerShard 7 0" for r in (0, 1)], proc.stdout
