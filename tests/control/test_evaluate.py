@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -306,6 +307,8 @@ exact = per_sample(model, data.tensors)["loss"].double().sum().item()
 said = (f"rank {acc.process_index} of {acc.num_processes}: {shard} {result.samples} "
         f"{abs(result.sums['loss'] - exact):.3g}")
 open(f"{sys.argv[1]}/rank{acc.process_index}.txt", "w").write(said)  # one pipe would mix them
+acc.wait_for_everyone()
+torch.distributed.destroy_process_group()  # exiting with the group alive may abort (gloo)
 """
 
 
@@ -318,9 +321,12 @@ def test_under_accelerate_launch_a_prepared_loader_counts_each_sample_once(
     script = tmp_path / "prepared.py"
     script.write_text(_PREPARED_TWO)
     launcher = Path(sys.executable).parent / "accelerate"
+    with socket.socket() as s:  # a free port: accelerate's default 29500 may be taken
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
     proc = subprocess.run(
-        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", str(script),
-         str(tmp_path)],
+        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2",
+         "--main_process_port", port, str(script), str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
