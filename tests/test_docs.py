@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,7 +69,19 @@ def _run_python(pages: list[str], namespace: dict[str, object]) -> None:
 
 def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The pages' python blocks run in order, twice in the same folder: a second run does
-    what the first did (no block resumes or reuses what the first left)."""
+    what the first did. Every resume finds nothing (a block that resumed the first run's
+    checkpoint would end at the same weights, having trained nothing), and the weights of
+    both runs are equal."""
+    import loopkit
+
+    resumed: list[object] = []
+    real_resume = loopkit.Checkpointer.resume
+
+    def spy(self: loopkit.Checkpointer, path: Any = None) -> Any:
+        resumed.append(real_resume(self, path))
+        return resumed[-1]
+
+    monkeypatch.setattr(loopkit.Checkpointer, "resume", spy)
     runs = []
     for _ in range(2):
         monkeypatch.chdir(tmp_path)
@@ -80,6 +93,7 @@ def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert isinstance(net, torch.nn.Module)
         runs.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert len(resumed) == 4 and resumed == [None] * 4  # two blocks resume, in each run
 
 
 def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean() -> None:

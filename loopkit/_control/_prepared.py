@@ -40,16 +40,18 @@ def accelerate_shard(shard: Any, processes: int, disjoint: bool) -> tuple[Any, b
         split_batches=shard.split_batches, even_batches=True,
     )] for r in range(processes)]  # fmt: skip
     seen: set[int] = set()
-    real = [0] * processes
+    real = [0] * processes  # each rank's first-dealt samples
+    dealt_so_far = [0] * processes  # each rank's samples, repeats included
     for k in range(max(len(d) for d in dealt)):
         for r in range(processes):
             for index in dealt[r][k] if k < len(dealt[r]) else ():
                 if index not in seen:
-                    if real[r] != sum(len(b) for b in dealt[r][:k]) + dealt[r][k].index(index):
-                        raise ValueError(  # a repeat before a real sample: not a tail
+                    if real[r] != dealt_so_far[r]:  # a repeat before a real sample: no tail
+                        raise ValueError(
                             "evaluate cannot tell Accelerate's padding from real samples in "
                             "this loader: prepare it under Accelerator(even_batches=False)"
                         )
                     seen.add(index)
                     real[r] += 1
+                dealt_so_far[r] += 1
     return shard.batch_sampler, True, real[rank]

@@ -81,11 +81,10 @@ def remove(path: Path) -> bool:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
+    if n < 1024:
+        return f"{n} B"
+    power = min(3, (n.bit_length() - 1) // 10)  # 1 KiB, 2 MiB, 3 GiB and above
+    return f"{n / 1024**power:.1f} {('KiB', 'MiB', 'GiB')[power - 1]}"
 
 
 def _age(seconds: float) -> str:

@@ -61,11 +61,7 @@ def check_root(root: Path, *, default: bool, trust: bool) -> None:
     except FileNotFoundError:
         return
     except OSError as err:  # a file in its path, no permission to look
-        raise type(err)(
-            err.errno,
-            f"preload: cannot use the cache root {root} ({err.strerror}): pass cache= a "
-            "directory you can write to",
-        ) from err
+        raise _root_error(err, "use", root) from err
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"preload: the cache root {root} is not a directory")
     if trust and not default:
@@ -86,6 +82,15 @@ def check_root(root: Path, *, default: bool, trust: bool) -> None:
     )
 
 
+def _root_error(err: OSError, verb: str, root: Path) -> OSError:
+    """``err`` (its type and errno kept) saying preload, the root and what to do."""
+    return type(err)(
+        err.errno,
+        f"preload: cannot {verb} the cache root {root} ({err.strerror}): pass cache= a "
+        "directory you can write to",
+    )
+
+
 def make_root(root: Path, *, default: bool, trust: bool) -> None:
     """Create ``root`` if missing (a default root private: mode 0700), then check it."""
     try:
@@ -95,11 +100,7 @@ def make_root(root: Path, *, default: bool, trust: bool) -> None:
             # Never group- or other-writable, whatever the umask; a default root private.
             os.mkdir(root, 0o700 if default else 0o755)
     except OSError as err:
-        raise type(err)(
-            err.errno,
-            f"preload: cannot create the cache root {root} ({err.strerror}): pass a cache "
-            "directory you can write to",
-        ) from err
+        raise _root_error(err, "create", root) from err
     check_root(root, default=default, trust=trust)
 
 

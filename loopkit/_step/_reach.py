@@ -45,9 +45,10 @@ class Reach:
             targets = {id(t): self.foreign[id(t)] for t in given if id(t) in self.foreign}
             if not targets:
                 return
-        hit = reached(loss, targets)
-        if hit is None:
+        found = reached(loss, targets)
+        if found is None:
             return
+        hit, hidden = found
         owner = targets[id(hit)]
         raise RuntimeError(
             f"loopkit.steps: the backward of {self.names[self.member]} reaches "
@@ -62,7 +63,7 @@ class Reach:
                 "seen before its backward: loopkit counts every parameter the checkpointed "
                 "function can reach; checkpoint(..., use_reentrant=False) or loopkit.checkpointed "
                 "lets it see exactly which ones the segment uses.)"
-                if _through_reentrant(loss)
+                if hidden
                 else ""
             )
         )
@@ -75,8 +76,11 @@ class Reach:
         return f"a parameter of shape {tuple(param.shape)}"
 
 
-def reached(loss: torch.Tensor, targets: Mapping[int, int] | Iterable[int]) -> torch.Tensor | None:
-    """The first leaf among ``targets`` (ids) that back-propagating ``loss`` accumulates into.
+def reached(
+    loss: torch.Tensor, targets: Mapping[int, int] | Iterable[int]
+) -> tuple[torch.Tensor, bool] | None:
+    """The first leaf among ``targets`` (ids) that back-propagating ``loss`` accumulates into,
+    and whether it was found behind a reentrant checkpoint.
 
     A reentrant checkpoint (``checkpoint(fn, x, use_reentrant=True)``) hides its segment's
     parameters: its backward re-runs ``fn`` and back-propagates a graph that does not exist
@@ -87,7 +91,7 @@ def reached(loss: torch.Tensor, targets: Mapping[int, int] | Iterable[int]) -> t
     wanted = targets if isinstance(targets, Mapping) else set(targets)
     root = loss.grad_fn
     if root is None:
-        return loss if id(loss) in wanted else None
+        return (loss, False) if id(loss) in wanted else None
     seen = {root}
     stack = [root]
     while stack:
@@ -96,7 +100,7 @@ def reached(loss: torch.Tensor, targets: Mapping[int, int] | Iterable[int]) -> t
         if hidden is not None:
             for inner in segment_leaves(hidden):
                 if id(inner) in wanted:
-                    return inner
+                    return inner, True
         for nxt, _ in node.next_functions:
             if nxt is None or nxt in seen:
                 continue
@@ -105,7 +109,7 @@ def reached(loss: torch.Tensor, targets: Mapping[int, int] | Iterable[int]) -> t
             if leaf is None:
                 stack.append(nxt)
             elif id(leaf) in wanted:
-                return leaf  # type: ignore[no-any-return]
+                return leaf, False
     return None
 
 
@@ -148,19 +152,6 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _through_reentrant(loss: torch.Tensor) -> bool:
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if getattr(node, "run_function", None) is not None:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
 
 
 def _model_name(model: Any) -> str:

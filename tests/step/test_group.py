@@ -285,23 +285,31 @@ def _train_skipping(
     return G, D, d_step, g_step, group
 
 
+def _loop_control(tmp_path: Path, max_updates: int) -> tuple[dict[str, Any], Any]:
+    """What a loop asks after each batch: maybe_save, a cadence and until, built at the first
+    call on the group; ``seen`` holds them and the updates the cadence fired at."""
+    seen: dict[str, Any] = {"fired": []}
+
+    def ask(group: Any) -> bool:
+        if "stop" not in seen:
+            seen["ckpt"] = loopkit.Checkpointer(tmp_path, model=nn.Linear(1, 1), step=group)
+            seen["stop"] = loopkit.until(group, max_updates=max_updates, signals=())
+            seen["cadence"] = loopkit.cadence(group, updates=1)
+        seen["ckpt"].maybe_save(every=1)
+        if seen["cadence"].due():
+            seen["fired"].append(group.updates)
+        return bool(seen["stop"].check())
+
+    return seen, ask
+
+
 def test_loop_control_sees_the_end_of_a_window_whose_last_batch_skips_a_member(
     tmp_path: Path,
 ) -> None:
     """until, cadence and maybe_save after the batch's micro-steps see each boundary; the
     weights are those of the same loop without them (G's window closed after the batch)."""
     data = _data(12)
-    seen: dict[str, Any] = {"fired": []}
-
-    def ask(group: Any) -> bool:
-        if "stop" not in seen:
-            seen["ckpt"] = loopkit.Checkpointer(tmp_path, model=nn.Linear(1, 1), step=group)
-            seen["stop"] = loopkit.until(group, max_updates=3, signals=())
-            seen["cadence"] = loopkit.cadence(group, updates=1)
-        seen["ckpt"].maybe_save(every=1)
-        if seen["cadence"].due():
-            seen["fired"].append(group.updates)
-        return bool(seen["stop"].check())
+    seen, ask = _loop_control(tmp_path, max_updates=3)
 
     G, D, d_step, g_step, group = _train_skipping(data, 3, ask)
     assert seen["stop"].reason == "max_updates" and seen["fired"] == [1, 2, 3]
@@ -377,17 +385,7 @@ def test_a_windows_last_batch_entering_no_member_is_closed_for_loop_control(
     """No member on a window's last batch: until, cadence and maybe_save asked after the
     batch still see its boundary, and the weights are those of the loop without them."""
     data = _data(9)
-    seen: dict[str, Any] = {"fired": []}
-
-    def ask(group: Any) -> bool:
-        if "stop" not in seen:
-            seen["ckpt"] = loopkit.Checkpointer(tmp_path, model=nn.Linear(1, 1), step=group)
-            seen["stop"] = loopkit.until(group, max_updates=2, signals=())
-            seen["cadence"] = loopkit.cadence(group, updates=1)
-        seen["ckpt"].maybe_save(every=1)
-        if seen["cadence"].due():
-            seen["fired"].append(group.updates)
-        return bool(seen["stop"].check())
+    seen, ask = _loop_control(tmp_path, max_updates=2)
 
     G, D, group = _both_members(data, ask, every=3)
     assert seen["stop"].reason == "max_updates" and seen["fired"] == [1, 2]
