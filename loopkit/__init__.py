@@ -42,6 +42,8 @@ _WHERE: dict[str, str] = {
     "count_host_syncs": "_observe._host_syncs",
     "CheckpointError": "_errors",
     "LoopkitError": "_errors",
+    "OpenWindowWarning": "_errors",
+    "UnwrappedModelWarning": "_errors",
     "DeviceLike": "_types",
     "Precision": "_types",
     "Scheduler": "_types",
@@ -85,6 +87,8 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._data._to_device import to_device as to_device
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
+    from ._errors import OpenWindowWarning as OpenWindowWarning
+    from ._errors import UnwrappedModelWarning as UnwrappedModelWarning
     from ._logging._detach import detach_logging as detach_logging
     from ._logging._sinks import LoggingSink as LoggingSink
     from ._logging._sinks import TensorBoardSink as TensorBoardSink

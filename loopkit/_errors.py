@@ -10,3 +10,11 @@ class LoopkitError(Exception):
 
 class CheckpointError(LoopkitError, RuntimeError):
     """A checkpoint file that cannot be used: unreadable, unsafe, or for another setup."""
+
+
+class OpenWindowWarning(UserWarning):
+    """Micro-steps of a loopkit window that did not (or not yet) become their own update."""
+
+
+class UnwrappedModelWarning(UserWarning):
+    """A step built on a model that its process group does not keep in sync."""

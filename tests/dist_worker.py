@@ -6,6 +6,7 @@ Launched by test_distributed.py; results land in OUT/<scenario>.rank<r>.pt.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -365,6 +366,20 @@ def fsdp2_no_sync(info: distributed.DistInfo) -> dict[str, Any]:
         "sync_flags": flags,
         "max_diff": max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True)),
     }
+
+
+@scenario
+def unwrapped_model(info: distributed.DistInfo) -> dict[str, Any]:
+    """A step on a model the process group does not sync warns once; on a wrapped one, not."""
+    found: dict[str, list[str]] = {}
+    for name, model in (("plain", mlp()), ("wrapped", distributed.wrap(mlp()))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        found[name] = [
+            str(w.message) for w in caught if w.category is loopkit.UnwrappedModelWarning
+        ]
+    return found
 
 
 @scenario

@@ -35,6 +35,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return launch_scenarios("tests/dist_worker.py", tmp_path_factory.mktemp("dist"))
 
 
+def test_a_step_on_a_model_not_wrapped_for_the_group_is_reported(results: Any) -> None:
+    """Every rank warns for the plain model (naming the wrap line to add), none for DDP."""
+    for rank in results["unwrapped_model"]:
+        assert rank["wrapped"] == []
+        (message,) = rank["plain"]
+        assert "not wrapped for the process group (2 processes)" in message
+        assert "dist_worker.py:" in message and "loopkit.distributed.wrap(model)" in message
+
+
 def test_weighted_micro_batches_match_the_global_large_batch(results: Any) -> None:
     """Unequal sizes on each rank, weight= sizes: within 1e-6 of one process on all data."""
     for r in results["weighted_equivalence"]:

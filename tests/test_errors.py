@@ -36,6 +36,33 @@ def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, _opt(m)
 
 
+def _user_steps_owned_optimizer() -> None:
+    m, o = _model_opt()
+    s = loopkit.step(m, o, accumulate=2)
+    with s as st:
+        st.backward(m(torch.ones(2, 8)).sum())
+    o.step()
+
+
+def _user_steps_owned_scheduler() -> None:
+    m, o = _model_opt()
+    sched = torch.optim.lr_scheduler.StepLR(o, 1)
+    s = loopkit.step(m, o, scheduler=sched)
+    for _ in range(2):
+        with s as st:
+            st.backward(m(torch.ones(2, 8)).sum())
+        sched.step()
+
+
+def _user_zeroes_window() -> None:
+    m, o = _model_opt()
+    s = loopkit.step(m, o, accumulate=2)
+    for _ in range(2):
+        with s as st:
+            st.backward(m(torch.ones(2, 8)).sum())
+        o.zero_grad()
+
+
 def _acc_backward_outside() -> None:
     m, o = _model_opt()
     loopkit.accumulate(m, o, every=2).backward(m(torch.ones(1, 8)).sum())
@@ -269,6 +296,12 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "amp.backward(loss)",
     ),
     ("autocast step of nothing", lambda t: _amp_step_nothing(), TypeError, "amp.step(optimizer)"),
+    ("step optimizer stepped by user", lambda t: _user_steps_owned_optimizer(), RuntimeError,
+     "Remove that line"),
+    ("step scheduler stepped by user", lambda t: _user_steps_owned_scheduler(), RuntimeError,
+     "Remove the scheduler.step() line"),
+    ("step window zeroed by user", lambda t: _user_zeroes_window(), RuntimeError,
+     "optimizer.zero_grad() at"),
     (
         "autocast load fp16 state into bf16",
         lambda t: loopkit.autocast_step("bf16", device_type="cpu").load_state_dict({"scaler": {}}),
@@ -603,6 +636,8 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "Precision",
         "CheckpointError",
         "LoopkitError",
+        "OpenWindowWarning",
+        "UnwrappedModelWarning",
         "DeviceLike",
         "Scheduler",
         "SyncKind",

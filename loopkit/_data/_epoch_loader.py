@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -27,6 +27,19 @@ class _Progress:
     """The epoch of the current pass (after a load, of the pass to run next)."""
     pass_generator_state: torch.Tensor | None = None
     """The loader's generator as the current pass began (it draws the workers' seeds)."""
+
+
+class Pass:
+    """One pass over an ``EpochLoader``; ``Pass.latest`` is the last to hand out a batch.
+
+    A step reads it to notice a window that spans two passes of one loader.
+    """
+
+    __slots__ = ("loader_id",)
+    latest: ClassVar[Pass | None] = None
+
+    def __init__(self, loader_id: int) -> None:
+        self.loader_id = loader_id
 
 
 LoaderSnapshot = tuple[_Progress, torch.Tensor | None]
@@ -77,11 +90,12 @@ class EpochLoader:
         self.batches.skip = start
         p.pass_epoch = epoch
         p.position = start
-        return self._counted(iter(self.loader))
+        return self._counted(iter(self.loader), Pass(id(self)))
 
-    def _counted(self, it: Iterator[Any]) -> Iterator[Any]:
+    def _counted(self, it: Iterator[Any], this: Pass) -> Iterator[Any]:
         for batch in it:
             self._progress.position += 1
+            Pass.latest = this
             yield batch
 
     def set_epoch(self, epoch: int) -> None:

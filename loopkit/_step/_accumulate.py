@@ -10,7 +10,6 @@ ranks (through ``_ranks`` and ``_parallel._grad_sync``).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -22,7 +21,7 @@ from .._checks import is_int_at_least
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
 from .._types import Weight
-from . import _open_steps
+from . import _misuse, _open_steps
 from ._cross_rank import end_of_window
 from ._micro_sync import MicroStepSync
 from ._params import OptimizerParams
@@ -33,10 +32,6 @@ from ._window import Window
 
 T = TypeVar("T")
 
-# optimizer -> the accumulate bound to it; catches `accumulate(...)` rebuilt every iteration.
-_BOUND: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[accumulate]] = (
-    weakref.WeakKeyDictionary()
-)
 
 def _check_binding(model: object, optimizer: object, every: object) -> None:
     """Refuse a model, optimizer or ``every`` accumulate cannot work with, before any change."""
@@ -57,9 +52,9 @@ def _check_binding(model: object, optimizer: object, every: object) -> None:
             "the optimizer holds none of the model's parameters: build it from "
             "model.parameters() of this model (after wrapping it, if you wrap it)"
         )
-    previous = _BOUND.get(optimizer)
-    old = previous() if previous is not None else None
-    if old is not None and old._window.micro > 0:
+    # The accumulate already bound to it: catches `accumulate(...)` rebuilt every iteration.
+    old = _misuse.owner_of(optimizer)
+    if isinstance(old, accumulate) and old._window.micro > 0:
         raise RuntimeError(
             f"this optimizer is already bound to an accumulate that is mid-window "
             f"({old._window.micro} of {old.every} micro-steps done); building a new one "
@@ -102,15 +97,10 @@ class accumulate(contextlib.ContextDecorator):
         _check_binding(model, optimizer, every)
         kind = sync_kind(model)
         rule = UpdateRule(
-            optimizer,
-            amp=amp,
-            clip_grad_norm=clip_grad_norm,
-            scheduler=scheduler,
-            skip_nonfinite=skip_nonfinite,
-            max_consecutive_skips=max_consecutive_skips,
-            kind=kind,
-            group=getattr(unwrap(model), "process_group", None),
-        )
+            optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
+            skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
+            kind=kind, group=getattr(unwrap(model), "process_group", None),
+        )  # fmt: skip
         self.model = model
         self.optimizer = optimizer
         self.every = every
@@ -123,15 +113,13 @@ class accumulate(contextlib.ContextDecorator):
         self._weighting = Weighting(every, kind != "none", rule.group)
         self._window = Window()
         # The micro-step now open (set at entry, read until exit).
-        self._inside = False
-        self._did_backward = False
-        self._ending = False
+        self._inside = self._did_backward = self._ending = False
         self._final_pending = False  # iterate handed out the last item: its micro-step ends
         self._closed_by_group: str | None = None  # set by a group: why entering is refused
         self._reach: Reach | None = None  # set by a group: what its first window must not reach
         self.lookahead = 0
         """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
-        _BOUND[optimizer] = weakref.ref(self)
+        self._guard = _misuse.Guard(self, model, optimizer, scheduler, kind, every)
 
     # -- what a user reads ------------------------------------------------------------------
 
@@ -190,11 +178,10 @@ class accumulate(contextlib.ContextDecorator):
         self._inside = True
         self._did_backward = False
         window.micro += 1
+        self._guard.entered(window.micro)
         return self
 
-    def backward(
-        self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any
-    ) -> None:
+    def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
         """Back-propagate this micro-batch's loss, normalized for the window.
 
         ``loss`` is the micro-batch's mean loss as usual. ``weight`` (samples or tokens in
@@ -212,6 +199,7 @@ class accumulate(contextlib.ContextDecorator):
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         window, first = self._window, not self._did_backward
+        self._guard.refuse_foreign(at_end=False)
         self._sync.refuse_synced_forward()
         if self._reach is not None:  # a group member's first window only
             self._reach.check(loss, autograd.get("inputs"))
@@ -231,6 +219,7 @@ class accumulate(contextlib.ContextDecorator):
         else:
             window.add_more(finite, self._sync.another_backward(synced))
         self._did_backward = True
+        self._guard.backward_done(self._params.current())
 
     def __exit__(
         self,
@@ -273,6 +262,7 @@ class accumulate(contextlib.ContextDecorator):
     def _boundary(self) -> bool:
         window = self._window
         self._sync.refuse_unreduced_end(window)  # before anything changes
+        self._guard.refuse_foreign(at_end=True)
         try:
             update, factor = end_of_window(
                 self.model, self._kind, window, self.every, self._weighting.reference,
@@ -280,6 +270,7 @@ class accumulate(contextlib.ContextDecorator):
             )  # fmt: skip
             if not update:
                 return False
+            _misuse.STEPPING.add(id(self.optimizer))  # its step pre-hook lets loopkit's through
             return self._rule.apply(self._params.current(), window, factor, self._progress)
         except BaseException:
             # The window is dropped as if it had never happened: no unscale recorded, no
@@ -288,8 +279,10 @@ class accumulate(contextlib.ContextDecorator):
                 self.amp.discard(self.optimizer)
             raise
         finally:
+            _misuse.STEPPING.discard(id(self.optimizer))
             self.optimizer.zero_grad(set_to_none=True)
             self._window = Window()
+            self._guard.window_closed()
             self._reach = None if window.n_backward else self._reach  # checked: first window
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -312,6 +305,7 @@ class accumulate(contextlib.ContextDecorator):
                 f"every={self.every}: build it with the same every"
             )
         self._progress, self._weighting.reference = Progress.from_state(state), state.get("w_ref")
+        self._guard.forget_schedule()
 
     def __repr__(self) -> str:
         return (

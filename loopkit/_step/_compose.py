@@ -29,7 +29,6 @@ from . import _accumulate
 T = TypeVar("T")
 
 
-
 def _check_accumulate(accumulate: object) -> None:
     """Refuse a bad ``accumulate=``, named as the user wrote it (accumulate says ``every``)."""
     if not is_int_at_least(accumulate, 1):
@@ -46,6 +45,7 @@ def _refuse_outside(acc: _accumulate.accumulate) -> None:
             "s.backward(loss) must be called inside `with step as s:` (it belongs to that "
             "micro-step's window): indent it under the with block"
         )
+
 
 class step(contextlib.ContextDecorator):
     """One reusable context manager per training loop: ``with step as s: ...; s.backward(loss)``.
@@ -144,9 +144,7 @@ class step(contextlib.ContextDecorator):
             self._in_autocast = True
         return self
 
-    def backward(
-        self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any
-    ) -> None:
+    def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
         """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate).
 
         Call it several times in one micro-step to back-propagate several losses one at a
@@ -305,8 +303,7 @@ class _Frozen:
     def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
         if isinstance(modules, nn.Module) or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError(
-                "frozen must be a list of nn.Modules, e.g. frozen=[discriminator], got "
-                f"{modules!r}"
+                f"frozen must be a list of nn.Modules, e.g. frozen=[discriminator], got {modules!r}"
             )
         own = {id(p) for g in optimizer.param_groups for p in g["params"]}
         params = list({id(p): p for m in modules for p in m.parameters()}.values())

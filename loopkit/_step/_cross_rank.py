@@ -96,7 +96,6 @@ def agreed_reference(first_weight: Any, every: int, sharded: bool, group: Any) -
     return ref
 
 
-
 def end_of_window(
     model: nn.Module,
     kind: SyncKind,

@@ -1,0 +1,281 @@
+"""Guards against the mistakes of a half-ported loop: user code doing what a step now does.
+
+A loop ported one line at a time keeps, for a while, lines that loopkit now does itself.
+Each guard below names the user's line to change and costs O(1) per micro-step, with no
+host sync:
+
+- ``optimizer.step()`` by user code on an optimizer a step owns: refused by a step
+  pre-hook, before the optimizer changes (``claim``, ``loopkit_steps``);
+- a scheduler given to the step and also stepped by user code: refused at the next window
+  end, before its update (``Guard.refuse_foreign``);
+- the window's gradients changed between loopkit's own backward calls (a ``zero_grad()``,
+  a stray or foreign ``backward``, a hand-written clip): refused at the next backward or
+  window end. Two sentinel parameters are watched (the first and the last of the
+  optimizer's that hold a gradient): a ``zero_grad`` or a backward through the model
+  reaches both;
+- a window left open: warned when the step is collected or the process exits, and when
+  the same ``distributed.loader`` starts a new pass in the middle of a window;
+- a model not wrapped for its process group: warned when the step is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import re
+import sys
+import warnings
+import weakref
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _ranks
+from .._data._epoch_loader import Pass
+from .._errors import OpenWindowWarning, UnwrappedModelWarning
+from .._types import SyncKind
+
+_SKIP = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # loopkit
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.abspath(contextlib.__file__),
+)
+
+
+def user_frame() -> FrameType | None:
+    """The innermost frame of the user's code (outside loopkit, torch and contextlib)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
+        frame = frame.f_back
+    return frame
+
+
+def _where(frame: FrameType | None) -> str:
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _code_line(where: tuple[CodeType, int] | None) -> str:
+    return "?" if where is None else f"{where[0].co_filename}:{where[1]}"
+
+
+def _warn(message: str, category: type[Warning], frame: FrameType | None) -> None:
+    """Warn at the user's line (so the default filter shows it once per line)."""
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=frame.f_globals.setdefault("__warningregistry__", {}),
+    )
+
+
+def lines_calling(frame: FrameType | None, obj: object, method: str) -> list[str]:
+    """``file:line`` of each ``<name>.<method>(`` in the first file, going up the stack from
+    ``frame``, whose code binds a name to ``obj``."""
+    while frame is not None:
+        names = [k for k, v in {**frame.f_globals, **frame.f_locals}.items() if v is obj]
+        if names and not frame.f_code.co_filename.startswith(_SKIP):
+            pattern = re.compile(rf"\b(?:{'|'.join(map(re.escape, names))})\.{method}\(")
+            path = frame.f_code.co_filename
+            lines = linecache.getlines(path)
+            return [f"{path}:{i}" for i, text in enumerate(lines, 1) if pattern.search(text)]
+        frame = frame.f_back
+    return []
+
+
+# -- the optimizer: stepped by loopkit only ------------------------------------------------
+
+_OWNER: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+
+
+def owner_of(optimizer: torch.optim.Optimizer) -> Any:
+    """The live step/accumulate that owns ``optimizer``, or None."""
+    ref = _OWNER.get(optimizer)
+    return None if ref is None else ref()
+
+
+def claim(optimizer: torch.optim.Optimizer, owner: weakref.ref[Any]) -> None:
+    """Make ``owner`` the one that steps ``optimizer``: any other ``step()`` is refused."""
+    _OWNER[optimizer] = owner
+    if optimizer not in _HOOKED:
+        _HOOKED[optimizer] = optimizer.register_step_pre_hook(_refuse_foreign_step)
+
+
+STEPPING: set[int] = set()
+"""ids of the optimizers loopkit is stepping right now (added and discarded around the update,
+in a ``finally``, by the step that owns it)."""
+
+
+def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if id(optimizer) in STEPPING or owner_of(optimizer) is None:
+        return
+    frame = user_frame()
+    raise RuntimeError(
+        f"optimizer.step() was called by your code ({_where(frame)}), but a loopkit.step/"
+        "accumulate owns this optimizer and steps it itself, once per window, after "
+        "unscaling, normalizing and clipping: this call would update it a second time (or "
+        "mid-window). Remove that line, and the optimizer.zero_grad(), scaler.step() and "
+        "scaler.update() next to it. Nothing was stepped"
+    )
+
+
+# -- one step's watch ----------------------------------------------------------------------
+
+
+class _LeftOpen:
+    """What the finalizer of a step reads: micro-steps of its open window, and where."""
+
+    __slots__ = ("every", "micro", "where")
+
+    def __init__(self, every: int) -> None:
+        self.micro = 0
+        self.where: tuple[CodeType, int] | None = None  # formatted only if it is reported
+        self.every = every
+
+    def report(self) -> None:
+        if self.micro:
+            warnings.warn(
+                f"{self.micro} micro-step(s) of a loopkit.step/accumulate (accumulate="
+                f"{self.every}, window opened at {_code_line(self.where)}) never became an "
+                "update: the loop ended mid-window. Loop over step.iterate(loader) instead of "
+                "the loader, or call step.flush() after the loop",
+                OpenWindowWarning,
+                stacklevel=1,
+            )
+
+
+class Guard:
+    """One step's watch over the code around it; the per-window part resets together."""
+
+    __slots__ = (
+        "_left", "_marks", "_owner", "_pass", "_sched_at", "grads", "optimizer", "scheduler",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        owner: object,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        kind: SyncKind,
+        every: int,
+    ) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        # FSDP moves gradients between shards inside its own hooks: watched only without it.
+        self.grads = kind in ("none", "ddp")
+        self._marks: tuple[tuple[torch.Tensor, Any, int], ...] = ()
+        self._pass: Pass | None = None
+        self._sched_at = getattr(scheduler, "last_epoch", None)
+        self._left = _LeftOpen(every)
+        weakref.finalize(owner, self._left.report)
+        self._owner = weakref.ref(owner)
+        if kind == "none" and _ranks.is_multi_rank():
+            frame = user_frame()
+            _warn(
+                f"loopkit.step/accumulate built at {_where(frame)} on a model that is not "
+                f"wrapped for the process group ({_ranks.world()[1]} processes): each rank "
+                "would train its own copy. Wrap it first: model = "
+                "loopkit.distributed.wrap(model) (DDP), then build the optimizer and the step",
+                UnwrappedModelWarning,
+                frame,
+            )
+
+    def entered(self, micro: int) -> None:
+        """A micro-step was entered; ``micro`` counts it (1 opens the window)."""
+        latest = Pass.latest
+        if micro == 1:
+            # The optimizer is the step's from its first window on (a step built and never
+            # entered leaves it to the loop).
+            if _OWNER.get(self.optimizer) is not self._owner:
+                claim(self.optimizer, self._owner)
+            self._pass = latest
+            frame = user_frame()
+            self._left.where = None if frame is None else (frame.f_code, frame.f_lineno)
+        elif (
+            latest is not None
+            and self._pass is not None
+            and latest is not self._pass
+            and latest.loader_id == self._pass.loader_id
+        ):
+            self._pass = latest
+            frame = user_frame()
+            _warn(
+                f"a window of loopkit.step/accumulate spans two passes over the same loader "
+                f"({_where(frame)}): the {micro - 1} micro-step(s) left from the last pass are "
+                "joined with this pass's, so windows no longer end with the epoch. Loop over "
+                "step.iterate(loader) instead of the loader itself",
+                OpenWindowWarning,
+                frame,
+            )
+        self._left.micro = micro
+
+    def backward_done(self, params: list[torch.Tensor]) -> None:
+        """Remember the sentinels' gradients as loopkit's own backward left them."""
+        if not self.grads or not params:
+            return
+        # Usually the first and the last parameter: no scan.
+        first, last = params[0], params[-1]
+        if first.grad is None:
+            first = next((p for p in params if p.grad is not None), first)
+        if last.grad is None:
+            last = next((p for p in reversed(params) if p.grad is not None), last)
+        g1, g2 = first.grad, last.grad
+        self._marks = (
+            (first, g1, -1 if g1 is None else g1._version),
+            (last, g2, -1 if g2 is None else g2._version),
+        )
+
+    def refuse_foreign(self, *, at_end: bool) -> None:
+        """Raise if user code changed the window's gradients (or stepped the scheduler)."""
+        for p, grad, version in self._marks:
+            now = p.grad
+            if now is not grad or (now is not None and now._version != version):
+                self._refuse_grads("dropped" if now is None else "changed")
+        sched = self.scheduler
+        if at_end and sched is not None and self._sched_at is not None:
+            now_at = getattr(sched, "last_epoch", None)
+            if now_at != self._sched_at:
+                lines = lines_calling(user_frame(), sched, "step")
+                raise RuntimeError(
+                    f"the scheduler given to loopkit.step was also stepped by your code "
+                    f"(last_epoch {self._sched_at} -> {now_at} since loopkit's last update"
+                    f"{': ' + ', '.join(lines) if lines else ''}): loopkit steps it once per "
+                    "real update, so the schedule would run too fast. Remove the "
+                    "scheduler.step() line from the loop. The window was not updated"
+                )
+
+    def _refuse_grads(self, how: str) -> None:
+        frame = user_frame()
+        zero = lines_calling(frame, self.optimizer, "zero_grad")
+        raise RuntimeError(
+            f"the gradients of an open loopkit window were {how} by code outside its "
+            f"s.backward (noticed at {_where(frame)}): "
+            + (f"optimizer.zero_grad() at {', '.join(zero)}, " if zero else "a zero_grad(), ")
+            + "a loss.backward() of another loss through this model (a GAN's generator loss "
+            "through its discriminator), or a hand-written clip. Remove the zero_grad and clip "
+            "lines (loopkit clears gradients as a window opens and clips with clip_grad_norm=); "
+            "for a second loss through this model use loopkit.steps(d_step, g_step) with "
+            "frozen=[model] in the other step. The window was not updated"
+        )
+
+    def window_closed(self) -> None:
+        """The window ended (updated or dropped): start the next one clean."""
+        self._marks = ()
+        self._left.micro = 0
+        if self.scheduler is not None:
+            self._sched_at = getattr(self.scheduler, "last_epoch", None)
+
+    def forget_schedule(self) -> None:
+        """A resume moves the scheduler: read its position afresh at the next window end."""
+        self._sched_at = None
