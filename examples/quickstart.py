@@ -4,7 +4,7 @@ The loop is an ordinary ``for`` loop around ``loopkit.step``, which adds bf16 au
 batch transfer, the update and logging that reads the device once every 50 steps instead of
 calling ``.item()`` each step.
 
-    python examples/quickstart.py [--steps 300] [--precision bf16]
+    python examples/quickstart.py [--steps 300] [--precision bf16] [--progress plain]
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--progress", choices=["off", "plain", "tqdm"], default="off",
+        help="show updates, samples/s, an ETA and the last loss (rank zero)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     log = loopkit.detach_logging(every=50, sink=report)
     # One object composes autocast, the transfer of each batch, the update and the logging.
     step = loopkit.step(model, optimizer, precision=args.precision, device=device, log=log)
-    for x, y in step.iterate(loader):
+    progress = False if args.progress == "off" else args.progress
+    for x, y in step.iterate(loader, progress=progress):
         with step as s:
             s.backward(nn.functional.mse_loss(model(x), y))  # logged detached: no host sync
     log.flush()

@@ -43,6 +43,7 @@ _WHERE: dict[str, str] = {
     "CheckpointError": "_errors",
     "LoopkitError": "_errors",
     "OpenWindowWarning": "_errors",
+    "SinkFailedWarning": "_errors",
     "UnwrappedModelWarning": "_errors",
     "DeviceLike": "_types",
     "Precision": "_types",
@@ -88,6 +89,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
     from ._errors import OpenWindowWarning as OpenWindowWarning
+    from ._errors import SinkFailedWarning as SinkFailedWarning
     from ._errors import UnwrappedModelWarning as UnwrappedModelWarning
     from ._logging._detach import detach_logging as detach_logging
     from ._logging._sinks import LoggingSink as LoggingSink

@@ -18,3 +18,7 @@ class OpenWindowWarning(UserWarning):
 
 class UnwrappedModelWarning(UserWarning):
     """A step built on a model that its process group does not keep in sync."""
+
+
+class SinkFailedWarning(UserWarning):
+    """A logging sink raised: reported once; training and the other sinks go on."""

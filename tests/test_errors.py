@@ -638,6 +638,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "LoopkitError",
         "OpenWindowWarning",
         "UnwrappedModelWarning",
+        "SinkFailedWarning",
         "DeviceLike",
         "Scheduler",
         "SyncKind",

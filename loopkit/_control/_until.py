@@ -21,6 +21,7 @@ from .. import _ranks
 from .._checkpoint._save_resume import Checkpointer
 from .._checks import is_int_at_least
 from .._data._epoch_loader import EpochLoader
+from .._step._feed import LIMITS
 from ._boundaries import Boundaries, clock_of
 from ._durations import parse_duration
 from ._early_stop import early_stop as EarlyStop
@@ -101,6 +102,8 @@ class until:
         self._flag = SignalFlag(sigs)
         if checkpointer is not None:
             checkpointer.add("until", self._state)
+        if clock is not None:  # the totals a progress display's ETA needs
+            LIMITS[clock] = (max_updates, max_epochs)
 
     # -- deciding ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ flush in ``_exchange``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast, overload
 
@@ -16,9 +16,10 @@ import torch
 from .. import _ranks
 from .._checks import is_int_at_least
 from .._types import Reduction, Sink
+from ._delivery import Delivery, as_sinks
 from ._exchange import reduce_across_ranks
 from ._reductions import REDUCTIONS, Value, reduce_local
-from ._sinks import print_sink, takes_step
+from ._sinks import print_sink
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -27,6 +28,10 @@ class detach_logging:
     """Record metrics detached and on their device; reduce and read them once per ``every``.
 
     ``every``: flush interval, in log calls (None: only on ``flush()`` and leaving ``with``).
+    ``sink``: a callable or a list of them (one that raises is reported once and the others
+    still get the metrics). ``clock``: a loopkit step (or ``steps``/``accumulate``) whose
+    update count is the sinks' ``step=``, the x-axis trackers plot against; a step's
+    ``log=`` sets it to that step. Without one, ``step=`` counts the log calls.
 
     ``log(loss=loss, acc=acc)`` keeps each value as a detached tensor on its device: no
     host-device sync, no autograd graph kept alive. Every ``every`` calls (and on
@@ -53,19 +58,22 @@ class detach_logging:
     def __init__(
         self,
         every: int | None = 1,
-        sink: Sink | Callable[..., object] | None = print_sink,
+        sink: Sink | Callable[..., object] | Sequence[Callable[..., object]] | None = print_sink,
         *,
         reduce: Reduction | Mapping[str, Reduction] = "mean",
         sync_ranks: bool | None = None,
+        clock: Any = None,
     ) -> None:
         if every is not None and not is_int_at_least(every, 1):
             raise ValueError(
                 f"every must be an int >= 1 (flush every that many calls) or None (flush only "
                 f"on flush()), got {every!r}"
             )
-        if sink is not None and not callable(sink):
+        sinks = as_sinks(sink)
+        if clock is not None and not isinstance(getattr(clock, "updates", None), int):
             raise TypeError(
-                f"sink must be callable with a dict of floats (e.g. print), got {sink!r}"
+                f"clock must be a loopkit.step, steps or accumulate (its updates are the "
+                f"x-axis), got {type(clock).__name__}"
             )
         self._default: str
         self._per_metric: dict[str, str]
@@ -85,7 +93,8 @@ class detach_logging:
         self.every = every
         self.sink = sink
         self.sync_ranks = sync_ranks
-        self._sink_takes_step = sink is not None and takes_step(sink)
+        self.clock = clock
+        self._delivery = Delivery(sinks)
         self._values: dict[str, list[Value]] = {}
         self._calls_since_flush = 0
         self.step = 0
@@ -187,14 +196,46 @@ class detach_logging:
         if not reduced:  # a cross-rank flush where no rank had logged anything
             return
         self.last = reduced
-        # The default keeps the sink to rank zero (no collective needed to know the rank).
-        if self.sink is not None and (self.sync_ranks is False or _ranks.world()[0] == 0):
-            if self._sink_takes_step:
-                # takes_step checked that this sink declares step=; Sink's type has none.
-                with_step: Callable[..., object] = self.sink
-                with_step(reduced, step=self.step)
-            else:
-                self.sink(reduced)
+        # The default keeps the sinks to rank zero (no collective needed to know the rank).
+        if self._delivery.sinks and (self.sync_ranks is False or _ranks.world()[0] == 0):
+            self._delivery.send(reduced, *self.axis())
+
+    def axis(self) -> tuple[int, dict[str, float]]:
+        """The sinks' ``step`` (the clock's updates, or the log calls) and the other axes."""
+        clock = self.clock
+        if clock is None:
+            return self.step, {}
+        updates = int(clock.updates)
+        seen = getattr(clock, "seen", None)
+        axes: dict[str, float] = {"updates": updates}
+        if seen is not None:
+            axes.update(seen.axes())
+        return updates, axes
+
+    # -- trackers: hyperparameters, resume, closing ------------------------------------------
+
+    def config(self, **params: Any) -> None:
+        """Log hyperparameters once, to every sink that takes them (``sink.config``)."""
+        if _ranks.world()[0] == 0 or self.sync_ranks is False:
+            self._delivery.config(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The log-call count and each sink's state (a tracker's run id), for a checkpoint."""
+        return {"calls": self.step, "sinks": self._delivery.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the saved count and give each tracker its run back (before it starts)."""
+        calls = state.get("calls") if isinstance(state, Mapping) else None
+        if not is_int_at_least(calls, 0):
+            raise ValueError(f"not a detach_logging state (no 'calls' count): {state!r}")
+        sinks = self._delivery.check_state(state.get("sinks"))
+        self._delivery.load_state_dict(sinks)
+        self.step = int(calls)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Flush what is left, then close the sinks that can be closed (trackers' runs end)."""
+        self.flush()
+        self._delivery.close()
 
     def _how(self, name: str) -> str:
         return self._per_metric.get(name, self._default)

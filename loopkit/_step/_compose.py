@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ from .._observe import _doctor
 from .._parallel._grad_sync import no_sync, sync_kind, unwrap
 from .._precision import autocast_step
 from .._types import DeviceLike, PrecisionLike, Weight
-from . import _accumulate
+from . import _accumulate, _feed
 
 T = TypeVar("T")
 
@@ -99,6 +99,8 @@ class step(contextlib.ContextDecorator):
         self.device: torch.device = target if target is not None else torch.device("cpu")
         self.amp = autocast_step(precision, device_type=self.device.type)
         self.log: _detach.detach_logging | None = _make_log(log)
+        self.seen = _feed.Seen()
+        """Samples, tokens and epochs ``iterate`` handed out: the log's other x-axes."""
         self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
         self.accumulator = _accumulate.accumulate(
             model,
@@ -116,6 +118,8 @@ class step(contextlib.ContextDecorator):
             doctor.attach(model, optimizer, precision=self.amp.precision, device=self.device)
         self.model = model
         self.optimizer = optimizer
+        if self.log is not None and self.log.clock is None:
+            self.log.clock = self  # its sinks plot against this step's updates
         self._autocast_on = self.amp.precision != "fp32"
         self._in_autocast = False
         self._loss: torch.Tensor | None = None
@@ -211,22 +215,18 @@ class step(contextlib.ContextDecorator):
         """Move a batch to the step's device with its transfer options."""
         return self._mover.move(batch)
 
-    def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
+    def iterate(
+        self, iterable: Iterable[T], *, progress: bool | str = False,
+        tokens: Callable[[T], int] | None = None,
+    ) -> Iterator[T]:  # fmt: skip
         """Yield the batches moved to the device; the last closes its window on exit.
 
-        Looking one batch ahead also starts the next batch's (non-blocking) copy while the
-        current one computes.
+        It looks one batch ahead (the next copy starts while this one computes) and counts
+        each batch handed out (``step.seen``; ``tokens=`` a host-side count per batch).
+        ``progress=True`` (or ``"plain"``) shows updates of the total, the epoch, samples/s
+        or tokens/s, an ETA and the last flushed metrics on rank zero, with no host sync.
         """
-        doc = self.doctor
-        if doc is None:
-            return self.accumulator.iterate(self._mover(b) for b in iterable)
-        return self.accumulator.iterate(self._timed_moves(doc, doc.iterate(iterable)))
-
-    def _timed_moves(self, doc: _doctor.doctor, batches: Iterable[T]) -> Iterator[T]:
-        for b in batches:
-            with doc.phase("h2d"):
-                moved = self._mover(b)
-            yield moved
+        return _feed.iterate(self, iterable, progress, tokens)
 
     def flush(self) -> bool:
         """Close a partial window (after a loop that did not use ``iterate``) and the log."""
@@ -282,13 +282,15 @@ class step(contextlib.ContextDecorator):
         return self.accumulator
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters and the GradScaler state, for a checkpoint taken between windows."""
-        return {"accumulate": self.accumulator.state_dict(), "amp": self.amp.state_dict()}
+        """Counters, what was seen and the GradScaler state, taken between windows."""
+        acc, amp, seen = self.accumulator, self.amp, self.seen
+        return {"accumulate": acc.state_dict(), "amp": amp.state_dict(), "seen": seen.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.accumulator.load_state_dict(state["accumulate"])
         self.amp.load_state_dict(state["amp"])
+        self.seen.load_state_dict(state.get("seen"))
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,156 @@
+"""What ``step.iterate`` does with each batch: move it, count what was seen, show progress.
+
+``Seen`` is the x-axes a step's log and progress display read besides the update count:
+the epoch, and the samples and tokens handed to the loop (counted from host-side shapes,
+times the number of ranks: no host sync). It is saved with the step, so a resumed run
+continues the same axes.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from .. import _ranks
+from .._observe._progress import ProgressDisplay
+
+T = TypeVar("T")
+
+# clock -> (max_updates, max_epochs) of the `until` built on it: the totals an ETA needs.
+LIMITS: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None]] = weakref.WeakKeyDictionary()
+
+
+class Seen:
+    """Samples, tokens and passes handed to the loop by ``iterate`` (all ranks together)."""
+
+    __slots__ = ("epoch", "passes", "samples", "tokens")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.tokens = 0
+        self.passes = 0
+        self.epoch: int | None = None  # of the pass being iterated, where the loader says
+
+    def axes(self) -> dict[str, float]:
+        """The x-axes known so far (tokens only once counted)."""
+        out: dict[str, float] = {"samples": self.samples}
+        if self.tokens:
+            out["tokens"] = self.tokens
+        epoch = self.epoch if self.epoch is not None else self.passes - 1
+        if epoch >= 0:
+            out["epoch"] = epoch
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters a resumed run continues from."""
+        return {"samples": self.samples, "tokens": self.tokens, "passes": self.passes}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore ``state_dict``'s counters (a checkpoint from before they existed: zeros)."""
+        state = state or {}
+        self.samples = int(state.get("samples", 0))
+        self.tokens = int(state.get("tokens", 0))
+        self.passes = int(state.get("passes", 0))
+
+
+def leading_size(batch: object) -> int:
+    """The batch's sample count: the leading size of its first tensor (0 if it has none)."""
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, Mapping):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        else:
+            return 0
+
+
+def counted(
+    batches: Iterable[T],
+    source: object,
+    seen: Seen,
+    tokens: Callable[[T], int] | None,
+    display: ProgressDisplay | None,
+) -> Iterator[T]:
+    """Hand out ``batches`` (after the lookahead), counting each, ticking the display after
+    each micro-step. ``source`` is what the loop iterates (its epoch, if it has one)."""
+    world = _ranks.world()[1]
+    first = True
+    try:
+        for batch in batches:
+            if first:  # the source's pass has begun: its epoch is known now
+                first = False
+                seen.passes += 1
+                epoch = getattr(getattr(source, "_progress", None), "pass_epoch", None)
+                seen.epoch = epoch if isinstance(epoch, int) else None
+            seen.samples += leading_size(batch) * world
+            if tokens is not None:
+                seen.tokens += int(tokens(batch)) * world
+            yield batch
+            if display is not None:
+                display.tick()
+    finally:
+        if display is not None:
+            display.close()
+
+
+def total_updates(clock: Any, iterable: object, every: int) -> int | None:
+    """The updates at the end of training (``until``'s limits) or of this pass, if known."""
+    max_updates, max_epochs = LIMITS.get(clock, (None, None))
+    if max_updates is not None:
+        return max_updates
+    try:
+        batches = len(iterable)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    per_pass = math.ceil(batches / every)
+    if max_epochs is not None:
+        return max_epochs * per_pass
+    # A resumed pass of a distributed.loader starts part-way.
+    done_in_pass = getattr(getattr(iterable, "_progress", None), "resume_at", 0)
+    return int(clock.updates) + math.ceil(max(batches - done_in_pass, 0) / every)
+
+
+def iterate(
+    step: Any, iterable: Iterable[T], progress: bool | str, tokens: Callable[[T], int] | None
+) -> Iterator[T]:
+    """``step.iterate`` (``step``: a ``loopkit.step``): move, look ahead (accumulate), count
+    and display; the arguments checked first."""
+    if progress not in (True, False, "tqdm", "plain"):
+        raise ValueError(
+            f"progress must be True, False, 'tqdm' or 'plain' (a printed line), got {progress!r}"
+        )
+    if tokens is not None and not callable(tokens):
+        raise TypeError(
+            f"tokens must be a function batch -> int (e.g. lambda b: b['input_ids'].numel()), "
+            f"got {tokens!r}"
+        )
+    doc, mover = step.doctor, step._mover
+    if doc is None:
+        moved: Iterable[T] = (mover(b) for b in iterable)
+    else:
+        moved = _timed_moves(doc, doc.iterate(iterable), mover)
+    batches = step.accumulator.iterate(moved)
+    display = None
+    if progress and _ranks.world()[0] == 0:
+        log = step.log
+        display = ProgressDisplay(
+            step,
+            step.seen.axes,
+            (lambda: log.last) if log is not None else dict,
+            total_updates(step.accumulator, iterable, step.accumulator.every),
+            use_tqdm={True: None, "tqdm": True, "plain": False}[progress],
+        )
+    return counted(batches, iterable, step.seen, tokens, display)
+
+
+def _timed_moves(doc: Any, batches: Iterable[T], mover: Callable[[T], T]) -> Iterator[T]:
+    for b in batches:
+        with doc.phase("h2d"):
+            moved = mover(b)
+        yield moved

@@ -1,0 +1,149 @@
+"""step.iterate(progress=...): updates of a true total, rates and ETA, no host sync, rank zero."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import loopkit
+from loopkit import _ranks, distributed
+from loopkit._observe._progress import ProgressDisplay, eta, rate
+
+
+class _Watched:
+    updates = 0
+
+
+def test_the_status_line_shows_updates_epoch_rate_eta_and_metrics() -> None:
+    """With a fake clock: 10 of 40 updates in 5 s -> ETA 0:00:15; tokens/s over samples/s."""
+    now = [0.0]
+    watched = _Watched()
+    axes = {"samples": 0.0, "tokens": 0.0, "epoch": 0.0}
+    display = ProgressDisplay(
+        watched, lambda: dict(axes), lambda: {"loss": 0.123456}, 40, use_tqdm=False,
+        file=io.StringIO(), interval=1.0, clock=lambda: now[0],
+    )  # fmt: skip
+    watched.updates, now[0] = 10, 5.0
+    axes.update(samples=640.0, tokens=64_000.0, epoch=1.0)
+    display.tick()
+    assert display.lines == ["update 10/40 | epoch 1 | 12.8k tokens/s | ETA 0:00:15 | loss 0.1235"]
+    now[0] = 5.5  # within the interval: nothing printed
+    display.tick()
+    assert len(display.lines) == 1
+
+
+def test_rates_and_eta_are_pure_arithmetic() -> None:
+    """rate() scales with k/M/G; eta() uses this run's pace and is None when unknown."""
+    assert rate(1500, 1.0) == "1.5k" and rate(3e9, 1.5) == "2G" and rate(5, 0) == "0"
+    assert eta(30, 100, 10, 20.0) == "0:01:10"
+    assert eta(10, None, 0, 5.0) is None and eta(10, 100, 10, 5.0) is None
+
+
+def test_tqdm_draws_the_bar_with_the_status_as_postfix() -> None:
+    """The tqdm path: n advances by the updates made; the postfix holds the status."""
+    out = io.StringIO()
+    watched = _Watched()
+    display = ProgressDisplay(
+        watched, lambda: {"samples": 100.0}, dict, 8, use_tqdm=True, file=out, interval=0.0
+    )
+    watched.updates = 3
+    display.tick()
+    assert display._bar.n == 3
+    display.close()
+    text = out.getvalue()
+    assert "3/8" in text and "samples/s" in text
+
+
+def _loop(tmp: Path, progress: str, max_updates: int | None = None,
+          resume: bool = False) -> tuple[loopkit.step, list[int]]:  # fmt: skip
+    """10 batches of 4, accumulate=3 (4 updates per epoch); records samples seen per step."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=3, log=loopkit.detach_logging(every=2, sink=None))
+    data = torch.utils.data.TensorDataset(torch.randn(40, 5), torch.randn(40, 1))
+    loader = distributed.loader(data, batch_size=4, seed=0, num_workers=0)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
+    stop = loopkit.until(step, max_epochs=2, max_updates=max_updates, checkpointer=ckpt)
+    if resume:
+        ckpt.resume()
+    seen = []
+    for _ in stop.epochs(loader):
+        for x, y in step.iterate(loader, progress=progress):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            seen.append(step.seen.samples)
+            if stop.check():
+                break
+    return step, seen
+
+
+def test_iterate_counts_what_the_loop_got_despite_the_lookahead(tmp_path: Path) -> None:
+    """Inside the loop, samples seen are the batches handed out so far, not those fetched."""
+    step, seen = _loop(tmp_path, "plain")
+    assert seen == [4 * (i + 1) for i in range(20)] and step.updates == 8
+
+
+def test_the_plain_display_totals_from_until_and_ends_on_the_last_update(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """max_epochs=2 x 4 updates per epoch: the last line of each pass says 4/8, then 8/8."""
+    _loop(tmp_path, "plain")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" | ")[:2] for line in lines] == [
+        ["update 4/8", "epoch 0"],
+        ["update 8/8", "epoch 1"],
+    ]
+    assert all("samples/s" in line and "loss" in line for line in lines)
+
+
+def test_a_resumed_run_starts_the_display_where_it_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopped at update 5 (mid epoch 1) and resumed: the display counts on to 8/8."""
+    step, _ = _loop(tmp_path, "plain", max_updates=5)
+    assert step.updates == 5
+    capsys.readouterr()
+    step, seen = _loop(tmp_path, "plain", resume=True)
+    assert step.updates == 8 and seen[0] == 4 * 14  # stopped after batch 13; 14 comes next
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("update 8/8 | epoch 1")
+
+
+def test_the_display_makes_no_host_sync(tmp_path: Path) -> None:
+    """The same loop counts the same host syncs with the display on and off."""
+    counts = []
+    for progress in ("plain", ""):
+        with loopkit.count_host_syncs() as syncs:
+            _loop(tmp_path / (progress or "off"), progress or False)  # type: ignore[arg-type]
+        counts.append(syncs.count)
+    assert counts[0] == counts[1]
+
+
+def test_only_rank_zero_shows_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On another rank nothing is printed (and nothing is built)."""
+    monkeypatch.setattr(_ranks, "world", lambda group=None: (1, 2))
+    torch.manual_seed(0)
+    model = nn.Linear(5, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x in step.iterate(torch.randn(6, 2, 5), progress="plain"):
+        with step as s:
+            s.backward(model(x).sum())
+    assert capsys.readouterr().err == "" and step.seen.samples == 24  # 6 batches of 2, x2 ranks
+
+
+def test_bad_progress_and_tokens_are_refused_first() -> None:
+    """progress= and tokens= are checked before anything is iterated."""
+    model = nn.Linear(5, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="progress must be True, False"):
+        step.iterate([], progress="yes")
+    with pytest.raises(TypeError, match="tokens must be a function"):
+        step.iterate([], tokens=3)  # type: ignore[arg-type]
+    assert step.seen.passes == 0
