@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from helpers import ROOT
 
@@ -124,3 +125,21 @@ def test_first_use_benchmark_quick() -> None:
     for r in rows.values():
         assert 0 < r["to_built_s"] <= r["to_first_update_s"]
     assert rows["plain"]["over_plain_s"] == 0
+
+
+def test_accelerate_port_benchmark_quick_measures_what_the_guide_quotes() -> None:
+    """accelerate_port.py --quick: the port's update equals the float64 big batch where
+    Accelerate's is far off, its perplexity is exact, and a kill -9 mid-window resumes
+    bit-identically (the timing is printed, never asserted)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    measured = _json("benchmarks/accelerate_port.py", "--quick")
+    rows = {r["measure"].split(",")[0]: r for r in measured}
+    weights = rows["final weights vs float64 big batch"]
+    assert weights["loopkit"] < 1e-4 < 1e-2 < weights["accelerate"]
+    ppl = rows["perplexity vs exact"]
+    assert ppl["documents"] == 37
+    assert abs(ppl["loopkit"]) < 1e-6 < 1e-4 < abs(ppl["accelerate"])
+    resumed = rows["kill -9 mid-window then resume"]
+    assert resumed["loopkit"] == 1
+    assert rows["time per micro-step (accelerate = 1)"]["loopkit"] > 0
