@@ -26,6 +26,7 @@ from ._syntax import (
 )
 
 Loop = ast.For | ast.AsyncFor | ast.While
+_ACCELERATORS = ("cuda", "mps", "xpu", "npu")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,26 @@ class Script:
             child, parent = parent, self.parents.get(parent)
         return False
 
+    def in_try(self, node: ast.AST) -> bool:
+        """True when ``node`` runs in a ``try`` block or one of its handlers (in its function)."""
+        parent = self.parents.get(node)
+        while parent is not None and not isinstance(parent, SCOPES):
+            if isinstance(parent, ast.Try):
+                return True
+            parent = self.parents.get(parent)
+        return False
+
+    def evaluates(self, loop: ast.AST) -> bool:
+        """Whether ``loop`` is an evaluation loop: no backward in it, and autograd off around
+        it, or it is in a function named for evaluation (evaluate, estimate_loss, validate)."""
+        if any(isinstance(n, ast.Call) and method(n) == "backward" for n in ast.walk(loop)):
+            return False
+        if self.grad_off(loop):
+            return True
+        scope = self.scope_of(loop)
+        name = scope.name.lower() if isinstance(scope, FUNCS) else ""
+        return any(word in name for word in ("eval", "estimate", "valid", "test"))
+
     def grad_off(self, node: ast.AST) -> bool:
         """True when ``node`` runs under ``with torch.no_grad()`` or a no-grad decorator."""
         parent = self.parents.get(node)
@@ -105,6 +126,19 @@ class Script:
                 return True
             parent = self.parents.get(parent)
         return False
+
+    def preceding(self, node: ast.AST) -> list[ast.stmt]:
+        """Statements that run before ``node`` on its path, in its function (same branch)."""
+        before: list[ast.stmt] = []
+        while True:
+            parent = self.parents.get(node)
+            if parent is None or isinstance(node, SCOPES):
+                return before
+            for _, value in ast.iter_fields(parent):
+                if isinstance(value, list) and any(v is node for v in value):
+                    index = next(i for i, v in enumerate(value) if v is node)
+                    before.extend(v for v in value[:index] if isinstance(v, ast.stmt))
+            node = parent
 
     def following(self, stmt: ast.stmt) -> list[ast.stmt]:
         """Statements that run after ``stmt`` before its enclosing loop repeats or returns."""
@@ -164,6 +198,57 @@ class Script:
                 called.add(func)
                 step_loops.add(loops[0])
         return TrainingShape(frozenset(training), frozenset(step_loops), frozenset(called))
+
+    # ---- the script's context ----------------------------------------------------------
+
+    @cached_property
+    def uses_accelerator(self) -> bool:
+        """Whether the script can run on an accelerator at all (on a CPU, syncs cost nothing):
+        it names cuda/mps/xpu/npu or an accelerator, or moves tensors to a device or rank."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if any(d in node.value for d in _ACCELERATORS):
+                    return True
+            elif isinstance(node, ast.Call) and method(node) == "to" and node.args:
+                moved_to = dotted(node.args[0]) or ""
+                if "dev" in moved_to.lower() or "rank" in moved_to.lower():
+                    return True  # x.to(device), x.to(local_rank)
+            elif isinstance(node, ast.Attribute | ast.Name):
+                name = (node.attr if isinstance(node, ast.Attribute) else node.id).lower()
+                if name in {*_ACCELERATORS, "accelerator", "device_type"} or any(
+                    word in name for word in ("local_rank", "gpu")
+                ):
+                    return True
+        return False
+
+    @cached_property
+    def uses_rpc(self) -> bool:
+        """Whether the script uses torch.distributed.rpc (tensors travel through the host;
+        dist_autograd keeps gradients per context, so nothing needs zeroing)."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names]
+                if any("rpc" in n.split(".") or ("autograd" in n and "dist" in n) for n in names):
+                    return True
+        return False
+
+    @cached_property
+    def sums_grads_by_hand(self) -> bool:
+        """Whether the script adds into ``.grad`` itself (``p.grad += g``): it needs the
+        gradients zeroed in place, not set to None."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.AugAssign):
+                target: ast.expr = node.target
+                while isinstance(target, ast.Subscript):
+                    target = target.value
+                if isinstance(target, ast.Attribute) and target.attr == "grad":
+                    return True
+            elif isinstance(node, ast.Call) and method(node) in {"add_", "copy_", "div_"}:
+                grad = receiver(node)
+                if isinstance(grad, ast.Attribute) and grad.attr == "grad":
+                    return True
+        return False
 
     # ---- what holds a graph ------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from .._syntax import (
     keyword,
     method,
     receiver,
+    walk_scope,
     walk_stmts,
 )
 
@@ -45,14 +46,19 @@ def ragged_window(script: Script) -> Iterator[Hit]:
             if value is not None
         }
         after = script.following(loop) + list(loop.orelse)
-        if any(n in steps for n in walk_stmts(after)):
-            continue  # the tail window is flushed after the loop
+        if any(n in steps and not _in_loop(script, n, loop) for n in walk_stmts(after)):
+            continue  # the tail window is flushed after the loop (not by a later loop)
         for node in body:
             if not isinstance(node, ast.If) or not any(n in steps for n in walk_stmts(node.body)):
                 continue
             k = _steps_on_mod_only(node.test, divisors, definitions)
             if k is not None:
                 yield node, f"loss divided by {k} but the optimizer stepped on `% {k}` only"
+
+
+def _in_loop(script: Script, node: ast.AST, outside: ast.AST) -> bool:
+    """Whether ``node`` runs in a loop that is not one of ``outside``'s enclosing loops."""
+    return bool(set(script.loops_of(node)) - {outside, *script.loops_of(outside)})
 
 
 def _loss_divisors(body: list[ast.AST]) -> dict[str, ast.expr]:
@@ -144,10 +150,10 @@ def zero_grad(script: Script) -> Iterator[Hit]:
         resets = True
         flag = keyword(call, "set_to_none")
         value = flag.value if flag is not None else call.args[0] if call.args else None
-        if is_const(value, False):
+        if is_const(value, False) and not script.sums_grads_by_hand:
             yield call, "`zero_grad(set_to_none=False)`"
-    if resets or _resets_elsewhere(script):
-        return
+    if resets or script.uses_rpc or _resets_elsewhere(script):
+        return  # dist_autograd keeps each iteration's gradients in its own context
     for call in script.optimizer_steps:
         loops = script.loops_of(call)
         if loops and loops[0] in script.shape.training:
@@ -178,3 +184,91 @@ def _resets_elsewhere(script: Script) -> bool:
         ):
             return True
     return False
+
+
+@rule(
+    "LK012",
+    theme="accumulation",
+    flags="`clip_grad_norm_` on GradScaler-scaled gradients, with no `scaler.unscale_` first",
+    why="the gradients are still multiplied by the loss scale (65536 at the start), so the clip "
+    "threshold applies to the scaled norm and clips far too hard, or never",
+    fix="step = loopkit.step(model, optimizer, precision='fp16', clip_grad_norm=1.0)  # unscales "
+    "first",
+)
+def clip_before_unscale(script: Script) -> Iterator[Hit]:
+    for call in script.calls:
+        if callee(call) not in {"clip_grad_norm_", "clip_grad_value_"}:
+            continue
+        scope = script.scope_of(call)
+        calls = [n for n in walk_scope(scope) if isinstance(n, ast.Call)]
+        before = [n for stmt in script.preceding(call) for n in ast.walk(stmt)]
+        scaled = any(
+            isinstance(n, ast.Call)
+            and method(n) == "scale"
+            and "scal" in (dotted(receiver(n)) or "").lower()
+            for n in before
+        )  # on this path: an `else:` branch without the scaler is not scaled
+        if scaled and not any(method(n) == "unscale_" for n in calls):
+            yield call, f"`{callee(call)}` on scaled gradients (no unscale_ in this function)"
+
+
+@rule(
+    "LK018",
+    theme="accumulation",
+    flags="`zero_grad()` on every micro-step of a loop that steps the optimizer on `% N`",
+    why="the gradients of the window's earlier micro-batches are dropped before the update, "
+    "so each update uses one micro-batch: accumulation silently does nothing",
+    fix="step = loopkit.step(model, optimizer, accumulate=N)  # clears once per window",
+)
+def zero_grad_every_micro_step(script: Script) -> Iterator[Hit]:
+    steps = script.optimizer_steps
+    for loop in script.shape.step_loops:
+        body = [n for n in walk_scope(loop) if script.loops_of(n)[:1] == [loop]]
+        stepped = [n for n in body if n in steps]
+        if not stepped or not all(script.guarded_by_mod(n, loop) for n in stepped):
+            continue
+        for node in body:
+            if (
+                isinstance(node, ast.Call)
+                and method(node) == "zero_grad"
+                and not script.guarded_by_mod(node, loop)
+            ):
+                yield node, "`zero_grad()` every micro-step, the update only on `% N`"
+
+
+@rule(
+    "LK019",
+    theme="accumulation",
+    flags="`for batch in loader:` around `with step:` of a loopkit step that accumulates",
+    why="the windows span the epoch boundary and, at the end, the last micro-steps never "
+    "become an update: only step.iterate marks each pass's last batch",
+    fix="for batch in step.iterate(loader):  # closes the ragged last window of every pass",
+)
+def loop_around_step(script: Script) -> Iterator[Hit]:
+    accumulating: set[str] = set()
+    for node in ast.walk(script.tree):
+        for name, value in assigned_names(node):
+            if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] in {
+                "step",
+                "accumulate",
+            }:
+                count = keyword(value, "accumulate") or keyword(value, "every")
+                n = count.value if count is not None else (
+                    value.args[2] if len(value.args) > 2 else None
+                )  # fmt: skip
+                if n is not None and not is_const(n, 1):
+                    accumulating.add(name)
+    if not accumulating:
+        return
+    for node in ast.walk(script.tree):
+        if not isinstance(node, ast.With):
+            continue
+        names = {dotted(item.context_expr) for item in node.items}
+        entered = names & accumulating
+        loops = script.loops_of(node)
+        if not entered or not loops or not isinstance(loops[0], ast.For | ast.AsyncFor):
+            continue
+        it = loops[0].iter
+        if isinstance(it, ast.Call) and method(it) == "iterate":
+            continue
+        yield loops[0], f"`for ... in {ast.unparse(it)}:` around `with {entered.pop()}:`"

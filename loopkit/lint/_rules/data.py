@@ -17,8 +17,8 @@ _LOADER_POS = {"num_workers": 5, "pin_memory": 7, "worker_init_fn": 10, "generat
     "LK007",
     theme="data",
     flags="a DataLoader without workers, or without `pin_memory` in a CUDA script",
-    why="the main process loads every batch while the device waits, and copies it from "
-    "pageable memory",
+    why="without workers the main process loads every batch while the device waits; without "
+    "pinned memory each batch is copied to the device from pageable memory",
     fix="loader = loopkit.distributed.loader(dataset, batch_size=...)",
 )
 def loader_in_main_process(script: Script) -> Iterator[Hit]:
@@ -41,8 +41,10 @@ def loader_in_main_process(script: Script) -> Iterator[Hit]:
         tensors = (isinstance(dataset, ast.Call) and callee(dataset) == "TensorDataset") or (
             isinstance(dataset, ast.Name) and dataset.id in in_memory
         )
-        if (workers is None or is_const(workers, 0)) and not tensors:
-            problems.append("with num_workers=0" if workers is not None else "without num_workers")
+        # num_workers=0 written out, or pin_memory set with no workers: a considered choice.
+        considered = workers is not None or _loader_arg(call, "pin_memory") is not None
+        if workers is None and not tensors and not considered:
+            problems.append("without num_workers")
         if _loader_arg(call, "pin_memory") is None and cuda:
             problems.append("without pin_memory")
         if problems:
@@ -64,6 +66,10 @@ def loader_in_main_process(script: Script) -> Iterator[Hit]:
 def loader_seeded_globally(script: Script) -> Iterator[Hit]:
     for call in _loaders(script):
         workers = _loader_arg(call, "num_workers")
+        shuffle_kw = keyword(call, "shuffle")
+        shuffle = shuffle_kw.value if shuffle_kw else call.args[2] if len(call.args) > 2 else None
+        if shuffle is None or is_const(shuffle, False):
+            continue  # a sequential loader (evaluation): its order needs no seed
         if (
             workers is not None
             and not is_const(workers, 0)
@@ -99,3 +105,20 @@ def _targets_cuda(tree: ast.Module) -> bool:
         ):
             return True
     return False
+
+
+@rule(
+    "LK013",
+    theme="data",
+    flags="`len(list(loader))`: the loader is iterated to take its length",
+    why="it loads (and augments, tokenizes, collates) every batch of an epoch only to count "
+    "them, and again every time it runs",
+    fix="n = len(loader)  # batches per epoch, from the sampler, without loading any",
+)
+def length_by_iterating(script: Script) -> Iterator[Hit]:
+    for call in script.calls_to("len"):
+        inner = call.args[0] if len(call.args) == 1 else None
+        if isinstance(inner, ast.Call) and callee(inner) in {"list", "tuple"} and inner.args:
+            source = inner.args[0]
+            if isinstance(source, ast.Name | ast.Attribute):
+                yield call, f"`{ast.unparse(call)}` iterates the whole of `{ast.unparse(source)}`"

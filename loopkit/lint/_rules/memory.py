@@ -82,7 +82,8 @@ def loss_in_list(script: Script) -> Iterator[Hit]:
 )
 def empty_cache_in_loop(script: Script) -> Iterator[Hit]:
     for call in script.calls_to("empty_cache"):
-        if script.loops_of(call):
+        # Not where an out-of-memory is caught and retried with less: there it is the fix.
+        if script.loops_of(call) and not script.in_try(call):
             name = dotted(call.func) or "empty_cache"
             yield call, f"`{name}()` inside a loop"
 
@@ -107,6 +108,39 @@ def host_factory_moved(script: Script) -> Iterator[Hit]:
             continue
         scope = script.scope_of(call)
         in_forward = isinstance(scope, FUNCS) and scope.name == "forward"
-        if script.loops_of(call) or in_forward:
-            where = "in forward()" if in_forward and not script.loops_of(call) else "in a loop"
+        # Every step: in a training step loop (a per-epoch loop builds it once an epoch).
+        per_step = any(loop in script.shape.step_loops for loop in script.loops_of(call))
+        if per_step or in_forward:
+            where = "in forward()" if in_forward and not per_step else "in a training loop"
             yield call, f"`torch.{inner.func.attr}(...)` built on the CPU, then moved, {where}"
+
+
+@rule(
+    "LK015",
+    theme="memory",
+    flags="a loss tensor summed across steps (`total_loss += loss`)",
+    why="the running sum is a tensor that holds every step's autograd graph and activations, "
+    "so memory grows with every step until the loop ends",
+    fix="total_loss += loss.detach()  # or log = loopkit.detach_logging(every=N); log(loss=loss)",
+)
+def loss_summed_across_steps(script: Script) -> Iterator[Hit]:
+    for loop in script.shape.step_loops:
+        body = [n for n in walk_scope(loop) if script.loops_of(n)[:1] == [loop]]
+        losses: set[str] = set()
+        for node in body:
+            if isinstance(node, ast.Call) and method(node) == "backward":
+                losses |= backwarded(node)
+        for node in body:
+            if not (isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)):
+                continue
+            value, target = node.value, node.target
+            if not isinstance(target, ast.Name) or script.grad_off(node):
+                continue
+            if isinstance(value, ast.Name) and value.id in losses:
+                assigned_in_loop = {n for x in body for n, _ in assigned_names(x)}
+                if target.id not in assigned_in_loop - {target.id} and not any(
+                    n == value.id and script.holds_no_graph(v)
+                    for x in body
+                    for n, v in assigned_names(x)
+                ):
+                    yield node, f"`{target.id} += {value.id}` sums the loss tensor across steps"

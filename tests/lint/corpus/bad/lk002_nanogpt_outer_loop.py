@@ -25,3 +25,6 @@ def train(model, get_batch, optimizer, scaler, ctx):
         iter_num += 1
         if iter_num > max_iters:
             break
+
+
+DEVICE = "cuda"  # the loop runs on a GPU: each read-back waits for it

@@ -17,3 +17,6 @@ def main(model, loader, optimizer):
     for epoch in range(3):
         for batch in loader:
             train_step(model, batch, optimizer)
+
+
+DEVICE = "cuda"  # the loop runs on a GPU: each read-back waits for it

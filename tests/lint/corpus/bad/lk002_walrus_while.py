@@ -24,3 +24,6 @@ def train(model, loader, name: str = "adamw"):
         optimizer.zero_grad(set_to_none=True)
         if not torch.isfinite(loss).item():  # <- LK002
             raise FloatingPointError("loss is not finite")
+
+
+DEVICE = "cuda"  # the loop runs on a GPU: each read-back waits for it

@@ -23,6 +23,6 @@ def loaders(train_files, train_labels, val_files, val_labels):
     )
     val = DataLoader(ImageFolderDataset(val_files, val_labels), 256, False, None, None, 0)  # <- LK007
     test = torch.utils.data.DataLoader(  # <- LK007
-        ImageFolderDataset(val_files, val_labels), batch_size=256, num_workers=0, pin_memory=True
+        ImageFolderDataset(val_files, val_labels), batch_size=256
     )
     return train, val, test, device

@@ -1,4 +1,4 @@
-# expect: LK008
+# expect: LK008, LK014
 """Validation that switches to eval mode but leaves autograd on."""
 import torch
 from torch import nn
@@ -10,7 +10,7 @@ def evaluate(model: nn.Module, loader, device) -> float:
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         outputs = model(images)  # <- LK008
-        correct += (outputs.argmax(dim=1) == labels).sum().item()
+        correct += (outputs.argmax(dim=1) == labels).sum().item()  # <- LK014
         total += labels.numel()
     model.train()
     return correct / total
