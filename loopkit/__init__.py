@@ -24,6 +24,10 @@ _WHERE: dict[str, str] = {
     "track_memory": "_observe._memory",
     "LoggingSink": "_logging._sinks",
     "TensorBoardSink": "_logging._sinks",
+    "CSVSink": "_logging._csv_sink",
+    "WandbSink": "_logging._wandb_sink",
+    "MLflowSink": "_logging._mlflow_sink",
+    "Tracker": "_logging._tracker",
     "detach_logging": "_logging._detach",
     "print_sink": "_logging._sinks",
     "autocast_step": "_precision",
@@ -91,10 +95,14 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._errors import OpenWindowWarning as OpenWindowWarning
     from ._errors import SinkFailedWarning as SinkFailedWarning
     from ._errors import UnwrappedModelWarning as UnwrappedModelWarning
+    from ._logging._csv_sink import CSVSink as CSVSink
     from ._logging._detach import detach_logging as detach_logging
+    from ._logging._mlflow_sink import MLflowSink as MLflowSink
     from ._logging._sinks import LoggingSink as LoggingSink
     from ._logging._sinks import TensorBoardSink as TensorBoardSink
     from ._logging._sinks import print_sink as print_sink
+    from ._logging._tracker import Tracker as Tracker
+    from ._logging._wandb_sink import WandbSink as WandbSink
     from ._observe._doctor import doctor as doctor
     from ._observe._host_syncs import count_host_syncs as count_host_syncs
     from ._observe._memory import track_memory as track_memory

@@ -37,8 +37,9 @@ class Stateful(Protocol):
 class Sink(Protocol):
     """Where reduced metrics go: any callable taking the dict of floats.
 
-    A sink that also declares a ``step`` keyword receives the number of ``log(...)``
-    calls made so far.
+    A sink that also declares a ``step`` keyword receives the x-axis: the optimizer-update
+    count of the step the log belongs to (the number of ``log(...)`` calls for a log with
+    no step); one that declares ``axes`` also gets the epoch, samples and tokens seen.
     """
 
     def __call__(self, metrics: dict[str, float], /) -> object: ...

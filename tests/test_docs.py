@@ -24,7 +24,7 @@ CHAIN = [
     "loop-control.md", "distributed.md", "preload.md", "guarantees.md", "performance.md",
     "development.md",
 ]  # fmt: skip
-ALONE = ["migrate/hand-loop.md", "migrate/accelerate.md"]
+ALONE = ["migrate/hand-loop.md", "migrate/accelerate.md", "trackers.md"]
 NO_CODE = ["api.md"]
 
 
@@ -93,7 +93,7 @@ def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert isinstance(net, torch.nn.Module)
         runs.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert len(resumed) == 4 and resumed == [None] * 4  # two blocks resume, in each run
+    assert len(resumed) == 6 and resumed == [None] * 6  # three blocks resume, in each run
 
 
 def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean() -> None:

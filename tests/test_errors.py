@@ -36,6 +36,18 @@ def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, _opt(m)
 
 
+def _tracker_config_changed(tmp: Path) -> None:
+    sink = loopkit.CSVSink(tmp / "m.csv")
+    sink.config({"lr": 0.1})
+    sink.config({"lr": 0.2})
+
+
+def _tracker_resumed_late(tmp: Path) -> None:
+    sink = loopkit.CSVSink(tmp / "m.csv")
+    sink({"loss": 1.0}, step=1)
+    sink.load_state_dict({"run_id": "x", "last_step": 0})
+
+
 def _user_steps_owned_optimizer() -> None:
     m, o = _model_opt()
     s = loopkit.step(m, o, accumulate=2)
@@ -296,6 +308,9 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "amp.backward(loss)",
     ),
     ("autocast step of nothing", lambda t: _amp_step_nothing(), TypeError, "amp.step(optimizer)"),
+    ("tracker config changed", lambda t: _tracker_config_changed(t), ValueError, "logged once"),
+    ("tracker resumed after a write", lambda t: _tracker_resumed_late(t), RuntimeError,
+     "before the first log flush"),
     ("step optimizer stepped by user", lambda t: _user_steps_owned_optimizer(), RuntimeError,
      "Remove that line"),
     ("step scheduler stepped by user", lambda t: _user_steps_owned_scheduler(), RuntimeError,
@@ -639,6 +654,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "OpenWindowWarning",
         "UnwrappedModelWarning",
         "SinkFailedWarning",
+        "Tracker",
         "DeviceLike",
         "Scheduler",
         "SyncKind",
@@ -648,6 +664,9 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "__version__",
     }
     words = {
+        "CSVSink": "tracker",
+        "WandbSink": "tracker",
+        "MLflowSink": "tracker",
         "to_device": "to_device",
         "autocast_step": "autocast",
         "detach_logging": "logging",

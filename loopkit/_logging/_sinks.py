@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
+
+from ._tracker import Tracker
 
 
 def print_sink(metrics: dict[str, float], *, step: int) -> None:
@@ -64,16 +68,19 @@ class ScalarWriter(Protocol):
     def flush(self) -> object: ...
 
 
-class TensorBoardSink:
+class TensorBoardSink(Tracker):
     """Write reduced metrics as TensorBoard scalars (needs the ``tensorboard`` extra).
 
     ``log_dir`` is required (unless ``writer=`` is given): a default would write into
-    ``./runs/`` of whatever directory the script was started from.
+    ``./runs/`` of whatever directory the script was started from. The writer is made at
+    the first write (a resumed run appends to the same directory); hyperparameters go in as
+    a text summary; the last step written is kept in ``<log_dir>/.loopkit-last-step.json``.
     """
 
     def __init__(
         self, log_dir: str | os.PathLike[str] | None = None, *, writer: ScalarWriter | None = None
     ) -> None:
+        super().__init__()
         if writer is None and log_dir is None:
             raise TypeError(
                 "TensorBoardSink needs the directory to write to: TensorBoardSink('runs/exp1') "
@@ -82,17 +89,46 @@ class TensorBoardSink:
         if writer is not None and log_dir is not None:
             raise TypeError("TensorBoardSink takes log_dir or writer=, not both")
         if writer is None:
-            assert log_dir is not None  # checked above
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                importlib.import_module("torch.utils.tensorboard")
             except ImportError as err:  # pragma: no cover - depends on the environment
                 raise ImportError(
                     "TensorBoardSink needs tensorboard: pip install 'torch-loopkit[tensorboard]'"
                 ) from err
-            writer = SummaryWriter(log_dir=os.fspath(log_dir))
-        self.writer = writer
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.writer: Any = writer
 
-    def __call__(self, metrics: dict[str, float], *, step: int) -> None:
-        for name, value in metrics.items():
+    def _start(self, run_id: str | None) -> str:
+        if self.writer is None:
+            summary = importlib.import_module("torch.utils.tensorboard")
+            self.writer = summary.SummaryWriter(log_dir=self.log_dir)
+        return self.log_dir or "writer"
+
+    def _write(self, values: dict[str, float], step: int) -> None:
+        for name, value in values.items():
             self.writer.add_scalar(name, value, global_step=step)
         self.writer.flush()
+        if self.log_dir is not None:
+            side = os.path.join(self.log_dir, ".loopkit-last-step.json")
+            with open(side + ".tmp", "w") as f:
+                f.write(json.dumps({"last_step": step}))
+            os.replace(side + ".tmp", side)
+
+    def _write_config(self, params: dict[str, Any]) -> None:
+        add_text = getattr(self.writer, "add_text", None)
+        if add_text is not None:
+            add_text("hparams", json.dumps(params, default=str, sort_keys=True))
+
+    def _held_through(self) -> int | None:
+        if self.log_dir is None:
+            return None
+        side = os.path.join(self.log_dir, ".loopkit-last-step.json")
+        if not os.path.exists(side):
+            return None
+        with open(side) as f:
+            return int(json.load(f)["last_step"])
+
+    def _finish(self) -> None:
+        close = getattr(self.writer, "close", None)
+        if close is not None:
+            close()

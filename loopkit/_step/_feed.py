@@ -37,12 +37,13 @@ class Seen:
 
     def axes(self) -> dict[str, float]:
         """The x-axes known so far (tokens only once counted)."""
-        out: dict[str, float] = {"samples": self.samples}
-        if self.tokens:
-            out["tokens"] = self.tokens
+        out: dict[str, float] = {}
         epoch = self.epoch if self.epoch is not None else self.passes - 1
         if epoch >= 0:
             out["epoch"] = epoch
+        out["samples"] = self.samples
+        if self.tokens:
+            out["tokens"] = self.tokens
         return out
 
     def state_dict(self) -> dict[str, int]:

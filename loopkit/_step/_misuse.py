@@ -21,13 +21,14 @@ host sync:
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import re
 import sys
 import warnings
 import weakref
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -57,8 +58,13 @@ def _where(frame: FrameType | None) -> str:
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def _code_line(where: tuple[CodeType, int] | None) -> str:
-    return "?" if where is None else f"{where[0].co_filename}:{where[1]}"
+def _code_line(where: tuple[Any, ...] | None) -> str:
+    """The first of the recorded (code, line) pairs that is the user's."""
+    pairs = list(zip(where[::2], where[1::2], strict=True)) if where else []
+    for code, line in pairs:
+        if not code.co_filename.startswith(_SKIP):
+            return f"{code.co_filename}:{line}"
+    return "?"
 
 
 def _warn(message: str, category: type[Warning], frame: FrameType | None) -> None:
@@ -92,28 +98,39 @@ def lines_calling(frame: FrameType | None, obj: object, method: str) -> list[str
 
 # -- the optimizer: stepped by loopkit only ------------------------------------------------
 
-_OWNER: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
-    weakref.WeakKeyDictionary()
-)
+# id(optimizer) -> (the optimizer, the step/accumulate that owns it), both weakly: a plain dict
+# keyed by id is one fast lookup per window (a WeakKeyDictionary makes a weakref per lookup).
+_OWNER: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 _HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+STEPPING: set[int] = set()
+"""ids of the optimizers loopkit is stepping right now (added and discarded around the update,
+in a ``finally``, by the step that owns it)."""
 
 
 def owner_of(optimizer: torch.optim.Optimizer) -> Any:
     """The live step/accumulate that owns ``optimizer``, or None."""
-    ref = _OWNER.get(optimizer)
-    return None if ref is None else ref()
+    entry = _OWNER.get(id(optimizer))
+    if entry is None or entry[0]() is not optimizer:
+        return None
+    return entry[1]()
+
+
+def owns(optimizer: torch.optim.Optimizer, owner: weakref.ref[Any]) -> bool:
+    """Whether ``owner`` is the one that owns ``optimizer`` now (one dict lookup)."""
+    entry = _OWNER.get(id(optimizer))
+    return entry is not None and entry[1] is owner and entry[0]() is optimizer
+
+
+def _forget(key: int, _: object) -> None:
+    _OWNER.pop(key, None)
 
 
 def claim(optimizer: torch.optim.Optimizer, owner: weakref.ref[Any]) -> None:
     """Make ``owner`` the one that steps ``optimizer``: any other ``step()`` is refused."""
-    _OWNER[optimizer] = owner
+    key = id(optimizer)
+    _OWNER[key] = (weakref.ref(optimizer, functools.partial(_forget, key)), owner)
     if optimizer not in _HOOKED:
         _HOOKED[optimizer] = optimizer.register_step_pre_hook(_refuse_foreign_step)
-
-
-STEPPING: set[int] = set()
-"""ids of the optimizers loopkit is stepping right now (added and discarded around the update,
-in a ``finally``, by the step that owns it)."""
 
 
 def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -139,7 +156,7 @@ class _LeftOpen:
 
     def __init__(self, every: int) -> None:
         self.micro = 0
-        self.where: tuple[CodeType, int] | None = None  # formatted only if it is reported
+        self.where: tuple[Any, ...] | None = None  # (code, line) pairs; formatted if reported
         self.every = every
 
     def report(self) -> None:
@@ -173,7 +190,8 @@ class Guard:
         self.optimizer = optimizer
         self.scheduler = scheduler
         # FSDP moves gradients between shards inside its own hooks: watched only without it.
-        self.grads = kind in ("none", "ddp")
+        # With accumulate=1 no window spans two micro-steps, so there is nothing to drop.
+        self.grads = kind in ("none", "ddp") and every > 1
         self._marks: tuple[tuple[torch.Tensor, Any, int], ...] = ()
         self._pass: Pass | None = None
         self._sched_at = getattr(scheduler, "last_epoch", None)
@@ -197,11 +215,14 @@ class Guard:
         if micro == 1:
             # The optimizer is the step's from its first window on (a step built and never
             # entered leaves it to the loop).
-            if _OWNER.get(self.optimizer) is not self._owner:
+            if not owns(self.optimizer, self._owner):
                 claim(self.optimizer, self._owner)
             self._pass = latest
-            frame = user_frame()
-            self._left.where = None if frame is None else (frame.f_code, frame.f_lineno)
+            # Where the window opened, for a report at exit: the callers' code and lines,
+            # sorted out only if it is reported (no walk up the stack per window).
+            f2 = sys._getframe(2)
+            f3 = f2.f_back
+            self._left.where = (f2.f_code, f2.f_lineno, *((f3.f_code, f3.f_lineno) if f3 else ()))
         elif (
             latest is not None
             and self._pass is not None

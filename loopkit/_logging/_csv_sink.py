@@ -1,0 +1,73 @@
+"""CSVSink: one row per flush, in a CSV file (standard library only)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ._tracker import Tracker
+
+
+class CSVSink(Tracker):
+    """Write ``step`` and every metric (and the epoch/samples/tokens axes) as CSV rows.
+
+    A metric that appears later adds a column: the file is rewritten once with the wider
+    header (earlier rows get an empty cell). Hyperparameters go to ``<path>.config.json``.
+    A resumed run appends to the same file; a new run (no resume) starts it afresh.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self._columns: list[str] = []
+
+    def _start(self, run_id: str | None) -> str:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if run_id is not None and self.path.exists():
+            with self.path.open(newline="") as f:
+                self._columns = next(csv.reader(f), [])
+        else:
+            self.path.write_text("")
+            self._columns = []
+        return str(self.path)
+
+    def _write(self, values: dict[str, float], step: int) -> None:
+        row = {"step": step, **values}
+        if not self._columns or set(row) - set(self._columns):
+            known = self._columns or ["step"]
+            self._widen([*known, *(k for k in row if k not in known)])
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, self._columns).writerow(row)
+
+    def _widen(self, columns: list[str]) -> None:
+        """Rewrite the file under a header with more columns (atomically)."""
+        rows: list[dict[str, str]] = []
+        if self.path.exists() and self._columns:
+            with self.path.open(newline="") as f:
+                rows = list(csv.DictReader(f))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)
+        self._columns = columns
+
+    def _write_config(self, params: dict[str, Any]) -> None:
+        target = self.path.with_name(self.path.name + ".config.json")
+        saved = json.loads(target.read_text()) if target.exists() else {}
+        target.write_text(json.dumps({**saved, **params}, indent=1, default=str))
+
+    def _held_through(self) -> int | None:
+        with self.path.open(newline="") as f:
+            steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("step")]
+        return max(steps) if steps else None
+
+    def _finish(self) -> None:
+        """Nothing is held open: each row is written and closed as it comes."""
+
+    def __repr__(self) -> str:
+        return f"CSVSink({str(self.path)!r})"
