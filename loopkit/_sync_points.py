@@ -12,6 +12,9 @@ A foundation module: every capability may mark its syncs, and none needs the cou
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -22,21 +25,43 @@ from typing import Any, Protocol
 class Tallies:
     """One counter's tallies."""
 
-    __slots__ = ("depth", "events", "expected", "ignore", "user")
+    __slots__ = ("depth", "events", "expected", "ignore", "lines", "locate", "user")
 
-    def __init__(self, ignore: frozenset[int]) -> None:
+    def __init__(self, ignore: frozenset[int], locate: bool = False) -> None:
         self.ignore = ignore
         self.events: Counter[str] = Counter()  # every read, by operation
         self.expected: Counter[str] = Counter()  # loopkit's own, by reason
         self.user: Counter[str] = Counter()  # the others, by operation
         self.depth = 0  # >0 while inside a counted Python-level read: its inner ops are its own
+        self.locate = locate  # also find the user's line of each of their reads (slow)
+        self.lines: Counter[str] = Counter()  # "file:line" of the user's reads, if located
 
     def record(self, name: str, reason: str | None) -> None:
         self.events[name] += 1
         if reason is None:
             self.user[name] += 1
+            if self.locate:
+                self.lines[user_line()] += 1
         else:
             self.expected[reason] += 1
+
+
+def _not_user() -> tuple[str, ...]:
+    """Where loopkit, torch and contextlib live (torch only if imported: no import here)."""
+    places = [os.path.dirname(os.path.abspath(__file__)) + os.sep, str(contextlib.__file__)]
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if isinstance(torch_file, str):
+        places.append(os.path.dirname(os.path.abspath(torch_file)) + os.sep)
+    return tuple(places)
+
+
+def user_line() -> str:
+    """``file:line`` of the innermost frame of the user's code (outside loopkit and torch)."""
+    skip = _not_user()
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 class SyncWatcher(Protocol):

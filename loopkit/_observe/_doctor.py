@@ -29,7 +29,8 @@ from .._types import DeviceLike, PrecisionLike
 from ._cuda_sync_warnings import CudaSyncCounter
 from ._host_syncs import count_host_syncs
 from ._phase_clock import PhaseClock
-from ._report import PHASES, Context, Stats, report_text, tips_for
+from ._report import PHASES, Context, Stats, as_metrics, report_text, tips_for
+from ._throughput import FlopCount, check_peak, hardware
 
 T = TypeVar("T")
 
@@ -73,6 +74,8 @@ class doctor:
         sink: Callable[[str], object] = print,
         report_at_exit: bool = False,
         device: DeviceLike | None = None,
+        flops_per_step: float | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         sampled = sorted(set(sample_syncs_at))
         if any(not is_int_at_least(s, 1) for s in sampled):
@@ -89,6 +92,9 @@ class doctor:
             raise TypeError(
                 f"sink must be callable with the report text (e.g. print), got {sink!r}"
             )
+        check_peak(peak_flops)
+        self._flops = FlopCount(flops_per_step)
+        self.peak_flops = peak_flops
         self.loader = loader
         self.sink = sink
         self.report_every = report_every
@@ -179,6 +185,7 @@ class doctor:
             raise RuntimeError("doctor is already inside a step: enter it once per step")
         self._clock.begin_step()
         self._sampler.start(self.steps + 1, self._clock.cuda, self.optimizer)
+        self._flops.start(self.steps + 1)  # one step's FLOPs, counted once
         return self
 
     def __exit__(
@@ -188,7 +195,8 @@ class doctor:
         tb: TracebackType | None,
     ) -> None:
         self._clock.switch("")
-        self._sampler.stop()
+        self._flops.stop(exc_type is None)
+        self._sampler.stop(keep_counting=self._iterated and exc_type is None)
         self._clock.end_step()
         if exc_type is None:
             self.steps += 1
@@ -218,20 +226,8 @@ class doctor:
         """
         if self.loader is None:
             self.loader = iterable
-        return self._iterate(iter(iterable))
-
-    def _iterate(self, it: Iterator[T]) -> Iterator[T]:
         self._iterated = True
-        while True:
-            previous = self._clock.switch("data")
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            finally:
-                self._clock.switch(previous)
-            self.samples += _batch_size(batch)
-            yield batch
+        return _timed_batches(self, iter(iterable))
 
     def watch(self, model: nn.Module) -> bool:
         """Time a DDP model's gradient all-reduces (they overlap backward); False if it cannot.
@@ -245,11 +241,15 @@ class doctor:
 
     def stats(self) -> Stats:
         """The numbers behind the report."""
+        self._sampler.stop_between()
         seconds = self._clock.resolve()
         # Communication overlaps backward: it is reported beside the phases, not within them.
         total = sum(v for k, v in seconds.items() if k != "communication")
         wall = self._clock.wall
         n = self.sync_steps
+        compute = hardware(
+            self._flops, self.steps, wall, self.peak_flops, self.device, self.precision
+        )
         return {
             "steps": self.steps,
             "seconds": dict(seconds),
@@ -258,8 +258,15 @@ class doctor:
             "tokens_per_s": self.tokens / wall if wall and self.tokens else None,
             "syncs_per_step": sum(self.syncs.values()) / n if n else None,
             "sync_ops": dict(self.syncs),
+            "syncs_between_per_step": sum(self._sampler.between.values()) / n if n else None,
+            "sync_lines": {f"{w} ({at})": c / n for (w, at), c in self._sampler.lines.items()},
             "expected_syncs_per_step": {r: c / n for r, c in self.expected_syncs.items()},
+            **compute,  # type: ignore[typeddict-item]
         }
+
+    def metrics(self) -> dict[str, float]:
+        """Throughput as numbers for a log's sinks: samples/s, tokens/s, FLOP/s, MFU (known)."""
+        return as_metrics(self.stats())
 
     def report(self) -> str:
         """A plain-words report: throughput, phase shares, syncs, and the tips that apply."""
@@ -289,34 +296,88 @@ class doctor:
 
 
 class _SyncSampler:
-    """Counts host syncs on the sampled steps; its tallies add up over them."""
+    """Counts host syncs on the sampled steps, inside each and in the user's code after it.
+
+    A sampled step's counter runs from its start to the next step's start (or the loader's
+    next batch), so a ``loss.item()`` logged after the step counts too: "between steps".
+    It counts between steps only while the doctor also iterates the loader, so that a
+    next batch (or the loader's end) always stops it; otherwise the step alone is counted.
+    """
 
     def __init__(self, at: frozenset[int], every: int | None) -> None:
         self.at, self.every = at, every
         self.user: Counter[str] = Counter()
         self.expected: Counter[str] = Counter()
+        self.inside: Counter[str] = Counter()  # the user's syncs inside the step, by operation
+        self.between: Counter[str] = Counter()  # ... and after it, before the next
+        self.lines: Counter[tuple[str, str]] = Counter()  # (file:line, "inside"/"between")
         self.steps = 0
         self._counter: count_host_syncs | CudaSyncCounter | None = None
+        self._at_exit: tuple[Counter[str], Counter[str]] | None = None  # user ops, lines
 
     def start(self, number: int, cuda: bool, optimizer: torch.optim.Optimizer | None) -> None:
-        """Start counting if step ``number`` is sampled (on CUDA, the driver's sync warnings)."""
+        """Close the previous step's count; start counting if step ``number`` is sampled."""
+        self.stop_between()
         if not (number in self.at or (self.every and number % self.every == 0)):
             return
         # On CUDA the driver sees every sync; elsewhere the ops that would stall a GPU.
         counter: count_host_syncs | CudaSyncCounter = (
-            CudaSyncCounter() if cuda else count_host_syncs(ignore=_host_resident(optimizer))
+            CudaSyncCounter()
+            if cuda
+            else count_host_syncs(ignore=_host_resident(optimizer), locate=True)
         )
         counter.__enter__()
         self._counter = counter
 
-    def stop(self) -> None:
-        """Stop counting (if this step was counted) and add up what was seen."""
+    def stop(self, keep_counting: bool) -> None:
+        """The step ended: what was counted is "inside"; keep counting the code after it if
+        ``keep_counting`` (the next batch will stop it), else stop now."""
+        counter = self._counter
+        if counter is None:
+            return
+        self._at_exit = (Counter(counter.user_events), _lines(counter))
+        if not keep_counting:
+            self.stop_between()
+
+    def stop_between(self) -> None:
+        """Stop the count left running after a step (a no-op if none is)."""
         counter, self._counter = self._counter, None
-        if counter is not None:
-            counter.__exit__(None, None, None)
-            self.user.update(counter.user_events)
-            self.expected.update(counter.expected)
-            self.steps += 1
+        if counter is None:
+            return
+        counter.__exit__(None, None, None)
+        user, lines = Counter(counter.user_events), _lines(counter)
+        inside, lines_inside = self._at_exit or (user, lines)
+        self._at_exit = None
+        self.user.update(user)
+        self.expected.update(counter.expected)
+        self.inside.update(inside)
+        self.between.update(user - inside)
+        self.lines.update({(where, "inside"): n for where, n in lines_inside.items()})
+        self.lines.update({(where, "between"): n for where, n in (lines - lines_inside).items()})
+        self.steps += 1
+
+
+def _timed_batches(doc: doctor, it: Iterator[T]) -> Iterator[T]:
+    """doc.iterate's generator: each next() timed as the data wait, samples counted."""
+    sampler, clock = doc._sampler, doc._clock
+    try:
+        while True:
+            sampler.stop_between()  # the code after the last step ends here
+            previous = clock.switch("data")
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            finally:
+                clock.switch(previous)
+            doc.samples += _batch_size(batch)
+            yield batch
+    finally:
+        sampler.stop_between()
+
+
+def _lines(counter: count_host_syncs | CudaSyncCounter) -> Counter[str]:
+    return Counter(getattr(counter, "lines", {}))
 
 
 def _time_all_reduces(model: nn.Module, seconds: dict[str, float]) -> bool:

@@ -178,8 +178,8 @@ class count_host_syncs:
     tests and diagnosis: it slows the code it watches.
     """
 
-    def __init__(self, ignore: frozenset[int] = frozenset()) -> None:
-        self._state = Tallies(frozenset(ignore))
+    def __init__(self, ignore: frozenset[int] = frozenset(), *, locate: bool = False) -> None:
+        self._state = Tallies(frozenset(ignore), locate)
         self._hub: Hub | None = None
 
     @property
@@ -196,6 +196,11 @@ class count_host_syncs:
     def expected(self) -> dict[str, int]:
         """loopkit's own necessary host reads seen so far, by the reason given to expected_sync."""
         return dict(self._state.expected)
+
+    @property
+    def lines(self) -> dict[str, int]:
+        """The user's reads by ``file:line`` (with ``locate=True``; slower: walks the stack)."""
+        return dict(self._state.lines)
 
     @property
     def user_events(self) -> dict[str, int]:

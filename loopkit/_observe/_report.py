@@ -29,6 +29,12 @@ class Stats(TypedDict):
     syncs_per_step: float | None
     sync_ops: dict[str, int]
     expected_syncs_per_step: dict[str, float]
+    syncs_between_per_step: float | None  # of syncs_per_step: in the user's code after a step
+    sync_lines: dict[str, float]  # "file:line (inside|between)" -> syncs per sampled step
+    flops_per_step: float | None  # counted on one step (forward + backward), or given
+    flops_per_s: float | None  # achieved, over the wall time of the measured steps
+    mfu: float | None  # flops_per_s over the device's dense peak for the precision
+    peak: str | None  # what the peak was: "A100, 3.12e+14", or "given, ..."
 
 
 class Context(TypedDict):
@@ -94,6 +100,25 @@ _BETWEEN_UNTIMED_DATA = (
 )
 
 
+def _si(value: float) -> str:
+    """``12.3 T``-style: three significant digits and an SI prefix."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
+def as_metrics(s: Stats) -> dict[str, float]:
+    """The throughput figures known, as numbers a log's sinks take."""
+    figures = {
+        "samples_per_s": s["samples_per_s"],
+        "tokens_per_s": s["tokens_per_s"],
+        "flops_per_s": s["flops_per_s"],
+        "mfu": s["mfu"],
+    }
+    return {k: float(v) for k, v in figures.items() if v is not None}
+
+
 def report_text(s: Stats, context: Context) -> str:
     """A plain-words report: throughput, phase shares, syncs, and the tips that apply."""
     if not s["steps"]:
@@ -105,6 +130,14 @@ def report_text(s: Stats, context: Context) -> str:
     if s["tokens_per_s"]:
         head += f", {s['tokens_per_s']:,.0f} tokens/s"
     lines = [head]
+    if s["flops_per_s"]:
+        flops = (
+            f"  compute                {_si(s['flops_per_s'])}FLOP/s achieved "
+            f"({_si(s['flops_per_step'] or 0.0)}FLOP per step)"
+        )
+        if s["mfu"] is not None:
+            flops += f", MFU {100 * s['mfu']:.1f}% of the peak ({s['peak']} FLOP/s)"
+        lines.append(flops)
     for name in PHASES:
         if s["seconds"][name] or name == "compute" or (name == "data" and context["iterated"]):
             lines.append(
@@ -113,10 +146,14 @@ def report_text(s: Stats, context: Context) -> str:
             )
     if s["syncs_per_step"] is not None:
         ops = ", ".join(f"{op} x{n}" for op, n in Counter(s["sync_ops"]).most_common(4))
+        between = s["syncs_between_per_step"] or 0.0
         lines.append(
             f"  host-device syncs      {s['syncs_per_step']:.1f} per step "
-            f"(sampled on {context['sync_steps']} steps){': ' + ops if ops else ''}"
+            f"({s['syncs_per_step'] - between:.1f} inside the step, {between:.1f} between steps; "
+            f"sampled on {context['sync_steps']} steps){': ' + ops if ops else ''}"
         )
+        for where, n in Counter(s["sync_lines"]).most_common(3):
+            lines.append(f"    {n:.1f} per step at {where}")
     if s["expected_syncs_per_step"]:
         needed = "; ".join(
             f"{n:.1f} per step needed by {reason}"

@@ -53,6 +53,7 @@ class Seen:
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Restore ``state_dict``'s counters (a checkpoint from before they existed: zeros)."""
         state = state or {}
+        self.epoch = None
         self.samples = int(state.get("samples", 0))
         self.tokens = int(state.get("tokens", 0))
         self.passes = int(state.get("passes", 0))
@@ -77,6 +78,7 @@ def counted(
     seen: Seen,
     tokens: Callable[[T], int] | None,
     display: ProgressDisplay | None,
+    doctor: Any = None,
 ) -> Iterator[T]:
     """Hand out ``batches`` (after the lookahead), counting each, ticking the display after
     each micro-step. ``source`` is what the loop iterates (its epoch, if it has one)."""
@@ -86,12 +88,17 @@ def counted(
         for batch in batches:
             if first:  # the source's pass has begun: its epoch is known now
                 first = False
-                seen.passes += 1
                 epoch = getattr(getattr(source, "_progress", None), "pass_epoch", None)
                 seen.epoch = epoch if isinstance(epoch, int) else None
+                # A loader that knows its epoch says which pass this is (a pass resumed
+                # mid-way is the same pass); another iterable counts its passes.
+                seen.passes = epoch + 1 if isinstance(epoch, int) else seen.passes + 1
             seen.samples += leading_size(batch) * world
             if tokens is not None:
-                seen.tokens += int(tokens(batch)) * world
+                count = int(tokens(batch))
+                seen.tokens += count * world
+                if doctor is not None:  # its tokens/s and FLOP figures per this rank
+                    doctor.count(tokens=count)
             yield batch
             if display is not None:
                 display.tick()
@@ -147,7 +154,7 @@ def iterate(
             total_updates(step.accumulator, iterable, step.accumulator.every),
             use_tqdm={True: None, "tqdm": True, "plain": False}[progress],
         )
-    return counted(batches, iterable, step.seen, tokens, display)
+    return counted(batches, iterable, step.seen, tokens, display, step.doctor)
 
 
 def _timed_moves(doc: Any, batches: Iterable[T], mover: Callable[[T], T]) -> Iterator[T]:
