@@ -20,7 +20,9 @@ import functools
 import gc
 import itertools
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +136,28 @@ CONTROL_SECONDS: list[float] = []
 """Seconds per micro-step spent in until.check() and cadence.due(), one entry per run."""
 
 
+def loopkit_logged(
+    model: nn.Module,
+    data: list[Batch],
+    steps: int,
+    prec: str,
+    clip: float | None,
+    tracked: bool = False,
+) -> None:
+    """loopkit.step over step.iterate with its loss logged every 50 micro-steps; ``tracked``
+    adds a CSV tracker sink and the progress display (tqdm, drawn to /dev/null)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null:
+        sink = loopkit.CSVSink(os.path.join(tmp, "m.csv")) if tracked else None
+        log = loopkit.detach_logging(every=50, sink=sink)
+        step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip, log=log)
+        batches = [data[i % len(data)] for i in range(steps)]
+        with contextlib.redirect_stderr(null):
+            for x, y in step.iterate(batches, progress=tracked):
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+
+
 def accelerate_loop(
     model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
 ) -> None:
@@ -185,16 +209,19 @@ def fabric_loop(
 
 
 LOOP_CONTROL = "loopkit.step + until + cadence"
+LOGGED, TRACKED = "loopkit.step + iterate + log", "loopkit.step + iterate + log + CSV + progress"
 CONTENDERS: dict[str, Runner] = {
     "hand-written": hand,
     "loopkit pieces": loopkit_pieces,
     "loopkit.step": loopkit_step,
     "loopkit.step + doctor": functools.partial(loopkit_step, with_doctor=True),
     LOOP_CONTROL: functools.partial(loopkit_step, with_loop_control=True),
+    LOGGED: loopkit_logged,
+    TRACKED: functools.partial(loopkit_logged, tracked=True),
     "accelerate": accelerate_loop,
     "fabric": fabric_loop,
 }
-LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL)
+LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL, LOGGED, TRACKED)
 
 
 def available() -> dict[str, str | None]:
@@ -286,6 +313,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "ratio": round(us[name] / us["hand-written"], 4),
                         "added_us": round(us[name] - us["hand-written"], 2),
                     }
+                    if name == TRACKED:  # the tracker and the display: against the same log
+                        row["ratio_to_logged"] = round(us[name] / us[LOGGED], 4)
                     if name == LOOP_CONTROL:  # loop control's own cost: against the same step
                         row["ratio_to_step"] = round(us[name] / us["loopkit.step"], 4)
                         row["control_us"] = round(control_us, 3)
@@ -316,6 +345,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "\nuntil + cadence: the calls timed inside the loop, per micro-step, and as a share "
             "of loopkit.step's micro-step; the whole-loop ratio to loopkit.step (noisier)"
         )
+        for r in rows:
+            if "ratio_to_logged" in r:
+                print(
+                    f"  {r['model']} {r['precision']}: CSV tracker + progress display over the "
+                    f"same logged loop: {r['ratio_to_logged']:.3f}"
+                )
         for r in rows:
             if "ratio_to_step" in r:
                 print(

@@ -5,11 +5,13 @@ batch transfer, the update and logging that reads the device once every 50 steps
 calling ``.item()`` each step.
 
     python examples/quickstart.py [--steps 300] [--precision bf16] [--progress plain]
+        [--csv runs/quickstart.csv]
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--csv", help="also write the logged metrics here (loopkit.CSVSink)")
     parser.add_argument(
         "--progress", choices=["off", "plain", "tqdm"], default="off",
         help="show updates, samples/s, an ETA and the last loss (rank zero)",
@@ -46,14 +49,17 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
         history.append(metrics["loss"])
         print(f"step {step:4d}  loss {metrics['loss']:.4f}")
 
-    log = loopkit.detach_logging(every=50, sink=report)
+    sinks: list[Callable[..., object]] = [report]
+    if args.csv:
+        sinks.append(loopkit.CSVSink(args.csv))  # step = optimizer updates, + epoch, samples
+    log = loopkit.detach_logging(every=50, sink=sinks)
     # One object composes autocast, the transfer of each batch, the update and the logging.
     step = loopkit.step(model, optimizer, precision=args.precision, device=device, log=log)
     progress = False if args.progress == "off" else args.progress
     for x, y in step.iterate(loader, progress=progress):
         with step as s:
             s.backward(nn.functional.mse_loss(model(x), y))  # logged detached: no host sync
-    log.flush()
+    log.close()
     first, last = history[0], history[-1]
     print(f"loss went from {first:.4f} to {last:.4f} in {log.step} steps ({args.precision})")
     return first, last

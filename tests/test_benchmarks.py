@@ -56,6 +56,8 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             "loopkit.step",
             "loopkit.step + doctor",
             "loopkit.step + until + cadence",
+            "loopkit.step + iterate + log",
+            "loopkit.step + iterate + log + CSV + progress",
             "accelerate",
             "fabric",
         )

@@ -90,3 +90,20 @@ def test_accelerate_port_resumes_finished_and_two_processes_agree(tmp_path: Path
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
     # fp32, AdamW (which magnifies reduction-order rounding of small gradients): 1e-4.
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+def test_quickstart_writes_a_csv_on_the_update_axis_and_it_plots(tmp_path: Path) -> None:
+    """--csv: one row per flush at updates 50, 100, ... 300; plot_metrics draws it."""
+    csv_path, png = tmp_path / "q.csv", tmp_path / "q.png"
+    for cmd in (
+        ["examples/quickstart.py", "--steps", "100", "--csv", str(csv_path)],
+        ["examples/plot_metrics.py", str(csv_path), str(png)],
+    ):
+        proc = subprocess.run(
+            [sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = csv_path.read_text().splitlines()
+    assert rows[0] == "step,epoch,samples,loss"
+    assert [r.split(",")[0] for r in rows[1:]] == ["50", "100"]
+    assert png.stat().st_size > 1000

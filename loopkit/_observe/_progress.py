@@ -85,12 +85,8 @@ class ProgressDisplay:
         self.lines: list[str] = []  # the plain lines printed (also what a test reads)
 
     def tick(self) -> None:
-        """After a micro-step: advance the bar by the updates made, refresh at the interval."""
-        done = self._watched.updates
-        if done != self._shown and self._bar is not None:
-            self._bar.update(done - self._shown)
-        self._shown = done
-        now = self._clock()
+        """After a micro-step: at most once per interval, draw the updates made and status."""
+        now = self._clock()  # the only cost of a micro-step between two refreshes
         if now >= self._next:
             self._next = now + self.interval
             self._refresh(now)
@@ -114,6 +110,10 @@ class ProgressDisplay:
         return " | ".join(parts)
 
     def _refresh(self, now: float) -> None:
+        done = self._watched.updates
+        if self._bar is not None and done != self._shown:
+            self._bar.update(done - self._shown)
+        self._shown = done
         line = self.describe(now)
         if self._bar is not None:
             # Everything after the update count goes to the bar's postfix.
@@ -128,5 +128,5 @@ class ProgressDisplay:
             self._refresh(self._clock())
             self._bar.close()
             self._bar = None
-        elif self._shown != self._start_updates:
+        elif self._watched.updates != self._start_updates:
             self._refresh(self._clock())
