@@ -1,7 +1,7 @@
 """Plot a CSVSink file: each metric against the optimizer-update axis (needs matplotlib).
 
-    python examples/quickstart.py --csv runs/quickstart.csv
-    python examples/plot_metrics.py runs/quickstart.csv docs/tracker_plot.png
+python examples/quickstart.py --csv runs/quickstart.csv
+python examples/plot_metrics.py runs/quickstart.csv docs/tracker_plot.png
 """
 
 from __future__ import annotations
