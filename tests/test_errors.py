@@ -36,6 +36,12 @@ def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, _opt(m)
 
 
+def _scale_one_cycle() -> None:
+    o = _opt(mlp())
+    loopkit.scale_lr(o, torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=4),
+                     from_batch=8, to_batch=16)  # fmt: skip
+
+
 def _tracker_config_changed(tmp: Path) -> None:
     sink = loopkit.CSVSink(tmp / "m.csv")
     sink.config({"lr": 0.1})
@@ -308,6 +314,9 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "amp.backward(loss)",
     ),
     ("autocast step of nothing", lambda t: _amp_step_nothing(), TypeError, "amp.step(optimizer)"),
+    ("scale_lr of a OneCycleLR", lambda t: _scale_one_cycle(), TypeError, "cannot scale a"),
+    ("scale_lr bad batch", lambda t: loopkit.scale_lr(_opt(mlp()), from_batch=0, to_batch=8),
+     ValueError, "from_batch must be an int >= 1"),
     ("tracker config changed", lambda t: _tracker_config_changed(t), ValueError, "logged once"),
     ("tracker resumed after a write", lambda t: _tracker_resumed_late(t), RuntimeError,
      "before the first log flush"),
@@ -664,6 +673,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "__version__",
     }
     words = {
+        "scale_lr": "scale_lr",
         "CSVSink": "tracker",
         "WandbSink": "tracker",
         "MLflowSink": "tracker",
