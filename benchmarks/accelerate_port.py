@@ -115,14 +115,7 @@ def accelerate_train(directory: Path, epochs: int, kill_at: int | None = None) -
             active = accelerator.skip_first_batches(loader, resume_step)
         for batch in active:
             seen.append(batch.pop("idx"))  # not the model's: kept for the reference
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+            accelerate_micro_step(accelerator, model, optimizer, scheduler, batch)
             if accelerator.sync_gradients:
                 completed += 1
                 if completed % SAVE_EVERY == 0:
@@ -131,6 +124,20 @@ def accelerate_train(directory: Path, epochs: int, kill_at: int | None = None) -
             if micro == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
     return {"weights": params(model), "batches": seen}
+
+
+def accelerate_micro_step(
+    accelerator: Any, model: Any, optimizer: Any, scheduler: Any, batch: dict[str, Any]
+) -> None:
+    """run_clm_no_trainer's micro-step: accumulate, backward, clip on sync, step, schedule."""
+    with accelerator.accumulate(model):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
 
 
 def accelerate_perplexity(model: nn.Module, accelerator: Any) -> float:
@@ -353,14 +360,7 @@ def time_ratio(rounds: int) -> float:
 
     def accelerate_epoch() -> None:
         for batch in dicts:
-            with accelerator.accumulate(acc_model):
-                loss = acc_model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(acc_model.parameters(), 1.0)
-                acc_opt.step()
-                acc_sched.step()
-                acc_opt.zero_grad()
+            accelerate_micro_step(accelerator, acc_model, acc_opt, acc_sched, batch)
 
     times: dict[str, list[float]] = {"loopkit": [], "accelerate": []}
     pair = (("loopkit", loopkit_epoch), ("accelerate", accelerate_epoch))

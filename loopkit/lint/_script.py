@@ -92,6 +92,10 @@ class Script:
             child, parent = parent, self.parents.get(parent)
         return False
 
+    def loop_body(self, loop: ast.AST) -> list[ast.AST]:
+        """The nodes of ``loop`` that run once per its iteration (not in an inner loop)."""
+        return [n for n in walk_scope(loop) if self.loops_of(n)[:1] == [loop]]
+
     def in_try(self, node: ast.AST) -> bool:
         """True when ``node`` runs in a ``try`` block or one of its handlers (in its function)."""
         parent = self.parents.get(node)

@@ -223,7 +223,7 @@ def clip_before_unscale(script: Script) -> Iterator[Hit]:
 def zero_grad_every_micro_step(script: Script) -> Iterator[Hit]:
     steps = script.optimizer_steps
     for loop in script.shape.step_loops:
-        body = [n for n in walk_scope(loop) if script.loops_of(n)[:1] == [loop]]
+        body = script.loop_body(loop)
         stepped = [n for n in body if n in steps]
         if not stepped or not all(script.guarded_by_mod(n, loop) for n in stepped):
             continue

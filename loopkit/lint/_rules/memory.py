@@ -125,7 +125,7 @@ def host_factory_moved(script: Script) -> Iterator[Hit]:
 )
 def loss_summed_across_steps(script: Script) -> Iterator[Hit]:
     for loop in script.shape.step_loops:
-        body = [n for n in walk_scope(loop) if script.loops_of(n)[:1] == [loop]]
+        body = script.loop_body(loop)
         losses: set[str] = set()
         for node in body:
             if isinstance(node, ast.Call) and method(node) == "backward":
