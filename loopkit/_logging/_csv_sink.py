@@ -23,6 +23,8 @@ class CSVSink(Tracker):
         super().__init__()
         self.path = Path(path)
         self._columns: list[str] = []
+        self._file: Any = None  # kept open for appending while the run lasts
+        self._writer: Any = None
 
     def _start(self, run_id: str | None) -> str:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,20 +34,26 @@ class CSVSink(Tracker):
         else:
             self.path.write_text("")
             self._columns = []
+        self._open()
         return str(self.path)
+
+    def _open(self) -> None:
+        self._file = self.path.open("a", newline="")
+        self._writer = csv.DictWriter(self._file, self._columns) if self._columns else None
 
     def _write(self, values: dict[str, float], step: int) -> None:
         row = {"step": step, **values}
-        if not self._columns or set(row) - set(self._columns):
+        if self._writer is None or not row.keys() <= set(self._columns):
             known = self._columns or ["step"]
             self._widen([*known, *(k for k in row if k not in known)])
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, self._columns).writerow(row)
+        self._writer.writerow(row)
+        self._file.flush()  # each row on disk as it comes (a killed run keeps its rows)
 
     def _widen(self, columns: list[str]) -> None:
-        """Rewrite the file under a header with more columns (atomically)."""
+        """Write the header (or rewrite the file under a wider one, atomically)."""
+        self._file.close()
         rows: list[dict[str, str]] = []
-        if self.path.exists() and self._columns:
+        if self._columns:
             with self.path.open(newline="") as f:
                 rows = list(csv.DictReader(f))
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -55,6 +63,7 @@ class CSVSink(Tracker):
             writer.writerows(rows)
         os.replace(tmp, self.path)
         self._columns = columns
+        self._open()
 
     def _write_config(self, params: dict[str, Any]) -> None:
         target = self.path.with_name(self.path.name + ".config.json")
@@ -67,7 +76,7 @@ class CSVSink(Tracker):
         return max(steps) if steps else None
 
     def _finish(self) -> None:
-        """Nothing is held open: each row is written and closed as it comes."""
+        self._file.close()
 
     def __repr__(self) -> str:
         return f"CSVSink({str(self.path)!r})"
