@@ -369,6 +369,34 @@ def fsdp2_no_sync(info: distributed.DistInfo) -> dict[str, Any]:
 
 
 @scenario
+def micro_batch_probe(info: distributed.DistInfo) -> dict[str, Any]:
+    """Ranks that fit different sizes agree on the smallest; micro-batched DDP training then
+    ends where the whole batches' does."""
+
+    class OOMAbove(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > (40 if info.rank == 0 else 20):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+            return x
+
+    probe_model = distributed.wrap(nn.Sequential(OOMAbove(), nn.Linear(8, 1)))
+    probe_opt = torch.optim.SGD(probe_model.parameters(), lr=0.1)
+    x, y = torch.randn(128, 8), torch.randn(128, 1)
+    size = loopkit.probe_micro_batch(probe_model, probe_opt, lambda m, b: loss_of(m, b), (x, y))
+    finals = []
+    for micro_batch in (None, 3):
+        model = distributed.wrap(mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
+        for batch in step.iterate(data([8, 8, 8, 5, 8], seed=10 + info.rank)):
+            with step as s:
+                s.backward(loss_of(model, batch))
+        finals.append([p.detach().clone() for p in model.parameters()])
+    diff = max((a - b).abs().max().item() for a, b in zip(*finals, strict=True))
+    return {"size": size, "max_diff": diff}
+
+
+@scenario
 def unwrapped_model(info: distributed.DistInfo) -> dict[str, Any]:
     """A step on a model the process group does not sync warns once; on a wrapped one, not."""
     found: dict[str, list[str]] = {}

@@ -35,6 +35,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return launch_scenarios("tests/dist_worker.py", tmp_path_factory.mktemp("dist"))
 
 
+def test_ranks_agree_on_the_smallest_micro_batch_and_it_trains_as_whole_batches(
+    results: Any,
+) -> None:
+    """Rank 0 fits 32, rank 1 fits 16: both probe 16 (no hang: probing makes no all-reduce);
+    DDP training in chunks of 3 ends within 1e-6 of the whole batches."""
+    for rank in results["micro_batch_probe"]:
+        assert rank["size"] == 16
+        assert rank["max_diff"] < 1e-6
+
+
 def test_a_step_on_a_model_not_wrapped_for_the_group_is_reported(results: Any) -> None:
     """Every rank warns for the plain model (naming the wrap line to add), none for DDP."""
     for rank in results["unwrapped_model"]:

@@ -36,6 +36,11 @@ def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, _opt(m)
 
 
+def _probe_too_small() -> None:
+    m = mlp()
+    loopkit.probe_micro_batch(m, _opt(m), lambda m, b: m(b).sum(), torch.ones(4, 8), smallest=8)
+
+
 def _scale_one_cycle() -> None:
     o = _opt(mlp())
     loopkit.scale_lr(o, torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=4),
@@ -317,6 +322,9 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("scale_lr of a OneCycleLR", lambda t: _scale_one_cycle(), TypeError, "cannot scale a"),
     ("scale_lr bad batch", lambda t: loopkit.scale_lr(_opt(mlp()), from_batch=0, to_batch=8),
      ValueError, "from_batch must be an int >= 1"),
+    ("probe smallest too large", lambda t: _probe_too_small(), ValueError, "smallest must be"),
+    ("step micro_batch zero", lambda t: loopkit.step(*_model_opt(), micro_batch=0), ValueError,
+     "micro_batch= must be an int >= 1"),
     ("tracker config changed", lambda t: _tracker_config_changed(t), ValueError, "logged once"),
     ("tracker resumed after a write", lambda t: _tracker_resumed_late(t), RuntimeError,
      "before the first log flush"),
@@ -673,6 +681,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "__version__",
     }
     words = {
+        "probe_micro_batch": "probe",
         "scale_lr": "scale_lr",
         "CSVSink": "tracker",
         "WandbSink": "tracker",

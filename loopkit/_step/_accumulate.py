@@ -115,6 +115,7 @@ class accumulate(contextlib.ContextDecorator):
         # The micro-step now open (set at entry, read until exit).
         self._inside = self._did_backward = self._ending = False
         self._final_pending = False  # iterate handed out the last item: its micro-step ends
+        self._by_marks = False  # set by a step that splits batches: only marks end windows
         self._closed_by_group: str | None = None  # set by a group: why entering is refused
         self._reach: Reach | None = None  # set by a group: what its first window must not reach
         self.lookahead = 0
@@ -148,7 +149,8 @@ class accumulate(contextlib.ContextDecorator):
         """Whether the current (or, outside ``with``, the next) micro-step ends a window."""
         if self._inside:
             return self._ending
-        return self._window.micro + 1 >= self.every or self._final_pending
+        by_count = self._window.micro + 1 >= self.every and not self._by_marks
+        return by_count or self._final_pending
 
     @property
     def micro_step(self) -> int:
@@ -167,7 +169,7 @@ class accumulate(contextlib.ContextDecorator):
             raise RuntimeError(self._closed_by_group)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
-        ending = window.micro + 1 >= self.every or self._final_pending
+        ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
         if window.micro == 0:
             # A window opens: gradients left by code outside it (another model's backward
             # through this one, a forward/backward outside the step) must not join its update.

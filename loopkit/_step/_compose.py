@@ -24,9 +24,15 @@ from .._observe import _doctor
 from .._parallel._grad_sync import no_sync, sync_kind, unwrap
 from .._precision import autocast_step
 from .._types import DeviceLike, PrecisionLike, Weight
-from . import _accumulate, _feed
+from . import _accumulate, _feed, _micro_batch
 
 T = TypeVar("T")
+
+
+_DEPRECATED_ACCUMULATE = (
+    "step.accumulate is deprecated: use step.accumulator (the attribute no longer shares its "
+    "name with the accumulate= count)"
+)
 
 
 def _check_accumulate(accumulate: object) -> None:
@@ -57,6 +63,7 @@ class step(contextlib.ContextDecorator):
     ``device`` for ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an
     int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
     guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
+    ``micro_batch=m``: ``iterate`` hands out batches in chunks of at most ``m`` samples.
     ``frozen=[D]``: modules this step trains through but not (a GAN's discriminator in the
     generator's step): inside each micro-step their parameters get no gradient and a DDP
     one does not all-reduce; ``requires_grad`` is restored on exit, whatever happens.
@@ -81,11 +88,13 @@ class step(contextlib.ContextDecorator):
         max_consecutive_skips: int | None = None,
         doctor: _doctor.doctor | None = None,
         frozen: Sequence[nn.Module] = (),
+        micro_batch: int | None = None,
     ) -> None:
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         _check_accumulate(accumulate)
+        _micro_batch.check_micro_batch(micro_batch)
         if doctor is not None and not isinstance(doctor, _doctor.doctor):
             raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
         self._frozen = _Frozen(frozen, optimizer)
@@ -99,6 +108,7 @@ class step(contextlib.ContextDecorator):
         self.device: torch.device = target if target is not None else torch.device("cpu")
         self.amp = autocast_step(precision, device_type=self.device.type)
         self.log: _detach.detach_logging | None = _make_log(log)
+        self.micro_batch, self._chunk_share = micro_batch, None  # iterate's chunks, their share
         self.seen = _feed.Seen()
         """Samples, tokens and epochs ``iterate`` handed out: the log's other x-axes."""
         self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
@@ -160,7 +170,7 @@ class step(contextlib.ContextDecorator):
         if self._in_autocast:
             self._in_autocast = False
             self.amp.__exit__(None, None, None)
-        self.accumulator.backward(loss, weight, **autograd)
+        self.accumulator.backward(loss, _feed.chunk_weight(self, weight), **autograd)
         if self.log is not None:
             detached = loss.detach()
             self._loss = detached if self._loss is None else self._loss + detached
@@ -273,12 +283,7 @@ class step(contextlib.ContextDecorator):
     @property
     def accumulate(self) -> _accumulate.accumulate:
         """Deprecated name of ``step.accumulator``."""
-        warnings.warn(
-            "step.accumulate is deprecated: use step.accumulator (the attribute no longer "
-            "shares its name with the accumulate= count)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warnings.warn(_DEPRECATED_ACCUMULATE, DeprecationWarning, stacklevel=2)
         return self.accumulator
 
     def state_dict(self) -> dict[str, Any]:

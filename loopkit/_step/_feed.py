@@ -13,10 +13,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import torch
-
 from .. import _ranks
 from .._observe._progress import ProgressDisplay
+from . import _micro_batch
+from ._micro_batch import leading_size
 
 T = TypeVar("T")
 
@@ -59,19 +59,6 @@ class Seen:
         self.passes = int(state.get("passes", 0))
 
 
-def leading_size(batch: object) -> int:
-    """The batch's sample count: the leading size of its first tensor (0 if it has none)."""
-    while True:
-        if isinstance(batch, torch.Tensor):
-            return int(batch.shape[0]) if batch.dim() else 1
-        if isinstance(batch, Mapping):
-            batch = next(iter(batch.values()), None)
-        elif isinstance(batch, (list, tuple)) and batch:
-            batch = batch[0]
-        else:
-            return 0
-
-
 def counted(
     batches: Iterable[T],
     source: object,
@@ -105,6 +92,15 @@ def counted(
     finally:
         if display is not None:
             display.close()
+
+
+def chunk_weight(step: Any, weight: Any) -> Any:
+    """The weight of a micro-step: the user's, or a chunk's share of its batch (first
+    backward of the micro-step only: the later ones take the same weight)."""
+    share = step._chunk_share
+    if weight is not None or share is None or step.accumulator._did_backward:
+        return weight
+    return share
 
 
 def total_updates(clock: Any, iterable: object, every: int) -> int | None:
@@ -143,7 +139,11 @@ def iterate(
         moved: Iterable[T] = (mover(b) for b in iterable)
     else:
         moved = _timed_moves(doc, doc.iterate(iterable), mover)
-    batches = step.accumulator.iterate(moved)
+    if step.micro_batch is not None:  # each batch in chunks; windows end at the marks
+        parts = _micro_batch.split(moved, step.micro_batch, step.accumulator.every)
+        batches: Iterable[T] = _micro_batch.marked(step, step.accumulator.iterate(parts))
+    else:
+        batches = step.accumulator.iterate(moved)
     display = None
     if progress and _ranks.world()[0] == 0:
         log = step.log

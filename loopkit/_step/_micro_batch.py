@@ -1,0 +1,200 @@
+"""Micro-batches that fit: each loader batch split into chunks, the update unchanged.
+
+``loopkit.step(..., micro_batch=m)`` makes ``step.iterate`` hand out chunks of at most ``m``
+samples of each batch, each its own micro-step. A chunk's backward is weighted by its
+share of its batch (``weight=`` when the user gives none), and windows still end after
+every ``accumulate``-th batch (and at the pass's end), so the update is the one the whole
+batches would have made: the ragged split 128 -> 48, 48, 32 included.
+
+``probe_micro_batch`` finds the largest ``m`` that fits: the worst case (the whole batch,
+forward, backward and an optimizer step, so optimizer state counts) is tried at halving
+sizes until no out-of-memory error is raised, and every trial is taken back (weights,
+optimizer state, RNGs, gradients). Under DDP every rank probes alone (no gradient sync) and
+all ranks take the smallest size any of them found.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import _ranks
+from .._checks import is_int_at_least
+from .._parallel._grad_sync import no_sync
+from . import _misuse
+
+T = TypeVar("T")
+
+
+def leading_size(batch: object) -> int:
+    """The batch's sample count: the leading size of its first tensor (0 if it has none)."""
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, Mapping):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        else:
+            return 0
+
+
+def check_micro_batch(micro_batch: object) -> None:
+    """Refuse a ``micro_batch=`` that is not a positive int (or None)."""
+    if micro_batch is not None and not is_int_at_least(micro_batch, 1):
+        raise ValueError(
+            f"micro_batch= must be an int >= 1 (samples per micro-step; find it with "
+            f"loopkit.probe_micro_batch) or None, got {micro_batch!r}"
+        )
+
+
+def take(batch: T, start: int, stop: int, size: int) -> T:
+    """Rows ``start:stop`` of every tensor in ``batch`` whose leading size is ``size``."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() and batch.shape[0] == size else batch  # type: ignore[return-value]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: take(v, start, stop, size) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(take(v, start, stop, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(take(v, start, stop, size) for v in batch)
+    return batch
+
+
+def chunks(batch: T, micro_batch: int) -> list[tuple[T, float]]:
+    """``(chunk, its share of the batch)`` for each chunk of at most ``micro_batch`` samples."""
+    size = leading_size(batch)
+    if size <= micro_batch:
+        return [(batch, 1.0)]
+    return [
+        (take(batch, a, min(a + micro_batch, size), size), (min(a + micro_batch, size) - a) / size)
+        for a in range(0, size, micro_batch)
+    ]
+
+
+def split(batches: Iterable[T], micro_batch: int, every: int) -> Iterator[tuple[T, float, bool]]:
+    """``(chunk, share, ends a window)`` for each chunk; every ``every``-th batch's last chunk
+    ends a window (the pass's last is marked by accumulate's iterate)."""
+    for i, batch in enumerate(batches, start=1):
+        parts = chunks(batch, micro_batch)
+        for j, (chunk, share) in enumerate(parts, start=1):
+            yield chunk, share, j == len(parts) and i % every == 0
+
+
+def marked(step: Any, items: Iterable[tuple[T, float, bool]]) -> Iterator[T]:
+    """Hand out the chunks (after accumulate's lookahead), marking window ends and shares."""
+    acc = step.accumulator
+    acc._by_marks = True  # windows end at the marks, not by counting chunks
+    try:
+        for chunk, share, ends in items:
+            if ends:
+                acc._final_pending = True
+            step._chunk_share = share
+            yield chunk
+    finally:
+        acc._by_marks = False
+        step._chunk_share = None
+
+
+# -- finding the size --------------------------------------------------------------------
+
+
+def probe_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    *,
+    smallest: int = 1,
+) -> int:
+    """The largest micro-batch (halving from the batch's size) whose forward, backward and
+    optimizer step run without an out-of-memory error; agreed across ranks (the minimum).
+
+    ``loss_fn(model, batch)`` returns the batch's mean loss. Every trial is taken back: the
+    weights, the optimizer's state, the RNGs, and the gradients (cleared). Only an
+    out-of-memory error (as ``accelerate.utils.memory`` recognizes on every backend) means
+    "too big"; any other exception propagates unchanged.
+    """
+    # accelerate's cross-backend out-of-memory test and cache release (CUDA, XPU, NPU, MPS).
+    memory: Any = importlib.import_module("accelerate.utils.memory")
+
+    size = leading_size(batch)
+    if size < 1:
+        raise ValueError("probe_micro_batch needs a batch with a leading batch dimension")
+    if not is_int_at_least(smallest, 1) or smallest > size:
+        raise ValueError(f"smallest must be an int in 1..{size}, got {smallest!r}")
+    saved = _Saved(model, optimizer)
+    fits = 0
+    m = size
+    try:
+        while m >= smallest:
+            try:
+                _trial(model, optimizer, loss_fn, take(batch, 0, m, size))
+            except Exception as err:
+                if not memory.should_reduce_batch_size(err):
+                    raise
+                memory.clear_device_cache(garbage_collection=True)
+                m //= 2
+            else:
+                fits = m
+                break
+            finally:
+                saved.restore()
+    finally:
+        saved.restore()
+    # The smallest over the ranks (one all-reduce; every rank calls it, OOM or not).
+    agreed = int(-_ranks.max_values([-float(fits)])[0])
+    if agreed < smallest:
+        raise RuntimeError(
+            f"no micro-batch of {smallest} or more samples fits (on at least one rank): "
+            "lower the memory (precision='bf16', loopkit.checkpointed(...)) or the model"
+        )
+    return agreed
+
+
+def _trial(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+) -> None:
+    """Forward, backward and an optimizer step, with no gradient sync to other ranks."""
+    _misuse.STEPPING.add(id(optimizer))  # a step that owns it lets this one through
+    try:
+        with no_sync(model):
+            loss: Any = loss_fn(model, batch)
+            loss.backward()
+        optimizer.step()
+    finally:
+        _misuse.STEPPING.discard(id(optimizer))
+
+
+class _Saved:
+    """Weights, optimizer state and RNGs as they stood: put back after each trial."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.optim = copy.deepcopy(optimizer.state_dict())
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.py_rng, self.np_rng = random.getstate(), np.random.get_state()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(self.weights[k])
+        self.optimizer.load_state_dict(copy.deepcopy(self.optim))
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)

@@ -1,0 +1,143 @@
+"""micro_batch=: batches in chunks that fit, the update unchanged; probe_micro_batch finds the
+size on injected out-of-memory errors and takes every trial back."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import mlp, params
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+from loopkit._step._micro_batch import chunks
+
+
+class OOMAbove(nn.Module):
+    """Raises CUDA's out-of-memory error for batches over ``limit`` (none is caught on a CPU)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return x
+
+
+def test_chunks_of_a_ragged_batch_and_their_shares() -> None:
+    """128 in chunks of 48: 48, 48, 32 with shares 3/8, 3/8, 1/4; structure kept; tensors of
+    another leading size (a per-batch value) pass through whole."""
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"pair": Pair(torch.arange(128), torch.zeros(128, 2)), "scale": torch.ones(3)}
+    parts = chunks(batch, 48)
+    assert [share for _, share in parts] == [0.375, 0.375, 0.25]
+    assert [len(c["pair"].x) for c, _ in parts] == [48, 48, 32]
+    assert all(isinstance(c["pair"], Pair) and c["scale"].shape == (3,) for c, _ in parts)
+    assert torch.equal(torch.cat([c["pair"].x for c, _ in parts]), torch.arange(128))
+    assert chunks(batch, 128) == [(batch, 1.0)]
+
+
+def _train(micro_batch: int | None, tmp: Path, updates: int | None = None,
+           resume: bool = False) -> tuple[list[torch.Tensor], loopkit.step]:  # fmt: skip
+    """2 epochs of batches of 16 (the last of 8), accumulate=2, AdamW."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
+    data = torch.utils.data.TensorDataset(torch.randn(56, 8), torch.randn(56, 1))
+    loader = distributed.loader(data, batch_size=16, seed=0, num_workers=0)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
+    stop = loopkit.until(step, max_epochs=2, max_updates=updates, checkpointer=ckpt)
+    if resume:
+        ckpt.resume()
+    for _ in stop.epochs(loader):
+        for x, y in step.iterate(loader):
+            assert micro_batch is None or len(x) <= micro_batch
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            if stop.check():
+                break
+    return params(model), step
+
+
+@pytest.mark.parametrize("micro_batch", [6, 8, 5])
+def test_micro_batches_make_the_whole_batches_update(micro_batch: int, tmp_path: Path) -> None:
+    """Split into chunks of 6 (16 -> 6, 6, 4), 8 (even) or 5: the same updates, the same
+    weights within 1e-6, the same samples seen."""
+    whole, a = _train(None, tmp_path / "whole")
+    split, b = _train(micro_batch, tmp_path / "split")
+    assert a.updates == b.updates == 4 and a.seen.samples == b.seen.samples == 112
+    for p, q in zip(whole, split, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_resume_mid_training_with_micro_batches_is_bit_identical(tmp_path: Path) -> None:
+    """Stopped after update 3 and resumed: the weights are the uninterrupted run's, bit for bit."""
+    whole, _ = _train(6, tmp_path / "whole")
+    _, stopped = _train(6, tmp_path / "parts", updates=3)
+    assert stopped.updates == 3
+    resumed, step = _train(6, tmp_path / "parts", resume=True)
+    assert step.updates == 4
+    assert all(torch.equal(p, q) for p, q in zip(whole, resumed, strict=True))
+
+
+def _probe_setup(
+    limit: int,
+) -> tuple[nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(OOMAbove(limit), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(128, 8), torch.randn(128, 1)
+    nn.functional.mse_loss(model(x[:1]), y[:1]).backward()
+    opt.step()  # the optimizer has state (Adam's moments) that a trial must not change
+    opt.zero_grad()
+    return model, opt, (x, y)
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def test_probe_halves_to_the_largest_size_that_fits_and_takes_every_trial_back() -> None:
+    """Out of memory above 40 samples: 128 -> 64 -> 32 fits; weights, Adam's state, the RNG
+    are as before, bit for bit, and no gradient is left."""
+    model, opt, batch = _probe_setup(40)
+    step = loopkit.step(model, opt)  # a step owns the optimizer: the probe's step still runs
+    with step as s:
+        s.backward(_loss(model, (batch[0][:4], batch[1][:4])))
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+              torch.get_rng_state())  # fmt: skip
+    assert loopkit.probe_micro_batch(model, opt, _loss, batch) == 32
+    assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items())
+    assert str(opt.state_dict()) == str(before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_only_an_out_of_memory_error_means_too_big() -> None:
+    """Any other exception propagates unchanged, the state taken back; nothing fitting raises."""
+    model, opt, batch = _probe_setup(1000)
+    weights = copy.deepcopy(model.state_dict())
+
+    def broken(model: nn.Module, batch: object) -> torch.Tensor:
+        raise KeyError("labels")
+
+    with pytest.raises(KeyError, match="labels"):
+        loopkit.probe_micro_batch(model, opt, broken, batch)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    small, opt2, batch2 = _probe_setup(1)
+    with pytest.raises(RuntimeError, match="no micro-batch of 4 or more samples fits"):
+        loopkit.probe_micro_batch(small, opt2, _loss, batch2, smallest=4)
+
+
+def test_bad_micro_batch_is_refused() -> None:
+    """micro_batch= is an int >= 1."""
+    model = mlp()
+    with pytest.raises(ValueError, match="micro_batch= must be an int >= 1"):
+        loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=0)
