@@ -94,7 +94,7 @@ class step(contextlib.ContextDecorator):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         _check_accumulate(accumulate)
-        _micro_batch.check_micro_batch(micro_batch)
+        chunks = _micro_batch.Chunks(micro_batch)  # checks micro_batch=
         if doctor is not None and not isinstance(doctor, _doctor.doctor):
             raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
         self._frozen = _Frozen(frozen, optimizer)
@@ -108,7 +108,7 @@ class step(contextlib.ContextDecorator):
         self.device: torch.device = target if target is not None else torch.device("cpu")
         self.amp = autocast_step(precision, device_type=self.device.type)
         self.log: _detach.detach_logging | None = _make_log(log)
-        self.micro_batch, self._chunk_share = micro_batch, None  # iterate's chunks, their share
+        self.chunks = chunks  # micro_batch=: the chunk size now
         self.seen = _feed.Seen()
         """Samples, tokens and epochs ``iterate`` handed out: the log's other x-axes."""
         self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
@@ -186,7 +186,7 @@ class step(contextlib.ContextDecorator):
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:
+    ) -> bool:
         doc = self.doctor
         # This micro-step's record is taken out first: whatever fails below, nothing of it
         # is left to be logged under the next micro-step.
@@ -218,6 +218,7 @@ class step(contextlib.ContextDecorator):
             # 10. doctor: the step's clock stops.
             if doc is not None:
                 doc.__exit__(exc_type, exc, tb)
+        return _micro_batch.recovered(self, exc)  # 11. out of memory in a chunk: redo, halved
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -287,15 +288,15 @@ class step(contextlib.ContextDecorator):
         return self.accumulator
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, what was seen and the GradScaler state, taken between windows."""
-        acc, amp, seen = self.accumulator, self.amp, self.seen
-        return {"accumulate": acc.state_dict(), "amp": amp.state_dict(), "seen": seen.state_dict()}
+        """Counters, what was seen, the chunk size and the GradScaler, between windows."""
+        return {"accumulate": self.accumulator.state_dict(), "amp": self.amp.state_dict(),
+                "seen": self.seen.state_dict(), "micro_batch": self.chunks.size}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
+        """Restore what ``state_dict`` returned (a chunk size halved by then is kept)."""
         self.accumulator.load_state_dict(state["accumulate"])
         self.amp.load_state_dict(state["amp"])
-        self.seen.load_state_dict(state.get("seen"))
+        _feed.restore(self, state)  # what was seen, the chunk size
 
     def __repr__(self) -> str:
         return (

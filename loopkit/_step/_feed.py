@@ -94,10 +94,16 @@ def counted(
             display.close()
 
 
+def restore(step: Any, state: Mapping[str, Any]) -> None:
+    """A step's checkpoint: what ``iterate`` had seen and the chunk size it had come to."""
+    step.seen.load_state_dict(state.get("seen"))
+    step.chunks.resume(state.get("micro_batch"))
+
+
 def chunk_weight(step: Any, weight: Any) -> Any:
     """The weight of a micro-step: the user's, or a chunk's share of its batch (first
     backward of the micro-step only: the later ones take the same weight)."""
-    share = step._chunk_share
+    share = step.chunks.share
     if weight is not None or share is None or step.accumulator._did_backward:
         return weight
     return share
@@ -139,9 +145,8 @@ def iterate(
         moved: Iterable[T] = (mover(b) for b in iterable)
     else:
         moved = _timed_moves(doc, doc.iterate(iterable), mover)
-    if step.micro_batch is not None:  # each batch in chunks; windows end at the marks
-        parts = _micro_batch.split(moved, step.micro_batch, step.accumulator.every)
-        batches: Iterable[T] = _micro_batch.marked(step, step.accumulator.iterate(parts))
+    if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
+        batches: Iterable[T] = _micro_batch.iterate(step, moved)
     else:
         batches = step.accumulator.iterate(moved)
     display = None

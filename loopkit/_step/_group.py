@@ -53,6 +53,11 @@ class steps:
                 "update): the steps of one group share one clock, build them with the same "
                 "accumulate="
             )
+        if any(m.chunks.size is not None for m in members):
+            raise ValueError(
+                "micro_batch= is not supported for a member of loopkit.steps yet: the group "
+                "hands out whole batches; build the steps without micro_batch="
+            )
         _refuse_shared_parameters(members)
         self.members = members
         self.every: int = everies.pop()

@@ -46,6 +46,26 @@ def leading_size(batch: object) -> int:
             return 0
 
 
+class Chunks:
+    """A step's micro-batching: the chunk size, the current chunk's share, whether iterate is
+    handing out chunks now, and whether the current window must be handed out again."""
+
+    __slots__ = ("redo", "replaying", "share", "size")
+
+    def __init__(self, size: int | None) -> None:
+        check_micro_batch(size)
+        self.size = size
+        self.share: float | None = None
+        self.replaying = False
+        self.redo = False
+
+    def resume(self, saved: object) -> None:
+        """A checkpoint's size: smaller than this run's after an out-of-memory redo, it is kept
+        (the resumed run splits as the saved one did, so it stays bit-identical)."""
+        if self.size is not None and isinstance(saved, int) and 1 <= saved < self.size:
+            self.size = saved
+
+
 def check_micro_batch(micro_batch: object) -> None:
     """Refuse a ``micro_batch=`` that is not a positive int (or None)."""
     if micro_batch is not None and not is_int_at_least(micro_batch, 1):
@@ -79,28 +99,92 @@ def chunks(batch: T, micro_batch: int) -> list[tuple[T, float]]:
     ]
 
 
-def split(batches: Iterable[T], micro_batch: int, every: int) -> Iterator[tuple[T, float, bool]]:
-    """``(chunk, share, ends a window)`` for each chunk; every ``every``-th batch's last chunk
-    ends a window (the pass's last is marked by accumulate's iterate)."""
-    for i, batch in enumerate(batches, start=1):
-        parts = chunks(batch, micro_batch)
-        for j, (chunk, share) in enumerate(parts, start=1):
-            yield chunk, share, j == len(parts) and i % every == 0
+def iterate(step: Any, batches: Iterable[T]) -> Iterator[T]:
+    """``step.iterate`` with ``micro_batch``: each batch in chunks, windows ending at the last
+    chunk of every ``accumulate``-th batch and of the pass (one batch looked ahead).
 
-
-def marked(step: Any, items: Iterable[tuple[T, float, bool]]) -> Iterator[T]:
-    """Hand out the chunks (after accumulate's lookahead), marking window ends and shares."""
+    An out-of-memory error inside a chunk's micro-step (a longer sequence than the probe's)
+    is taken by ``step.__exit__`` (``recovered``): the window is dropped and its batches are
+    handed out again in chunks half the size, so the update is still the whole batches'.
+    """
     acc = step.accumulator
-    acc._by_marks = True  # windows end at the marks, not by counting chunks
+    if acc._window.micro:
+        acc.flush()  # a window left open by an earlier pass is closed on its own
+    seen, state = step.seen, step.chunks
+    window: list[T] = []
+    at_start = (seen.samples, seen.tokens)
+    acc._by_marks = state.replaying = True  # windows end at the marks, not by counting chunks
     try:
-        for chunk, share, ends in items:
+        for batch, last in _looking_ahead(acc, iter(batches)):
+            window.append(batch)
+            ends = last or len(window) == acc.every
+            todo = [batch]
+            while todo:
+                current = todo.pop(0)
+                parts = chunks(current, state.size)
+                for j, (chunk, share) in enumerate(parts, start=1):
+                    if ends and current is window[-1] and j == len(parts):
+                        acc._final_pending = True
+                    state.share, state.redo = share, False
+                    yield chunk
+                    if state.redo:  # its micro-step ran out of memory: the window again
+                        seen.samples, seen.tokens = at_start
+                        todo = list(window)
+                        break
             if ends:
-                acc._final_pending = True
-            step._chunk_share = share
-            yield chunk
+                window, at_start = [], (seen.samples, seen.tokens)
     finally:
-        acc._by_marks = False
-        step._chunk_share = None
+        acc._by_marks = state.replaying = False
+        acc._final_pending = False
+        acc.lookahead = 0
+        state.share = None
+
+
+def _looking_ahead(acc: Any, it: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """``(batch, whether it is the pass's last)``, one batch fetched ahead (``acc.lookahead``)."""
+    try:
+        nxt = next(it)
+    except StopIteration:
+        return
+    while True:
+        cur = nxt
+        try:
+            nxt = next(it)
+        except StopIteration:
+            acc.lookahead = 0
+            yield cur, True
+            return
+        acc.lookahead = 1
+        yield cur, False
+
+
+def recovered(step: Any, exc: BaseException | None) -> bool:
+    """Whether ``exc``, raised in a micro-step, was an out-of-memory error the chunks can
+    shrink away from: then the window is dropped and redone in halves (one process)."""
+    state = step.chunks
+    if exc is None or not state.replaying or not isinstance(exc, Exception):
+        return False
+    memory: Any = importlib.import_module("accelerate.utils.memory")
+    if not memory.should_reduce_batch_size(exc):
+        return False
+    if _ranks.is_multi_rank():
+        raise RuntimeError(
+            "out of memory in a micro-step under DDP: redoing the window on this rank alone "
+            "would leave the other ranks waiting in an all-reduce. Probe with the largest "
+            "(longest) batch the data holds, or lower micro_batch="
+        ) from exc
+    if state.size <= 1:
+        return False  # nothing smaller to try: the error stands
+    acc = step.accumulator
+    acc.optimizer.zero_grad(set_to_none=True)  # the window's partial gradients go
+    if acc.amp is not None:
+        acc.amp.discard(acc.optimizer)
+    acc._window = type(acc._window)()
+    acc._guard.window_closed()
+    acc._final_pending = False
+    memory.clear_device_cache(garbage_collection=True)
+    state.size, state.redo = max(1, state.size // 2), True
+    return True
 
 
 # -- finding the size --------------------------------------------------------------------

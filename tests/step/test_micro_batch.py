@@ -141,3 +141,96 @@ def test_bad_micro_batch_is_refused() -> None:
     model = mlp()
     with pytest.raises(ValueError, match="micro_batch= must be an int >= 1"):
         loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=0)
+
+
+class SeqModel(nn.Module):
+    """Averages over a sequence axis, then an MLP; out of memory when chunk x length > 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] * x.shape[1] > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return self.net(x.mean(1))
+
+
+def _seq_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of 16 sequences of length 4, one of length 8 (a long batch) in the middle."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 4, 8, 4, 4]
+    return [(torch.randn(16, n, 8, generator=g), torch.randn(16, 1, generator=g)) for n in lengths]
+
+
+def _seq_train(micro_batch: int | None) -> tuple[list[torch.Tensor], loopkit.step]:
+    torch.manual_seed(0)
+    model = SeqModel()
+    if micro_batch is None:
+        model.forward = lambda x: model.net(x.mean(1))  # type: ignore[method-assign]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
+    for x, y in step.iterate(_seq_data()):
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+    return params(model), step
+
+
+def test_an_out_of_memory_error_in_training_redoes_the_window_in_smaller_chunks() -> None:
+    """Chunks of 16 fit length 4 but not the long batch (16 x 8 > 100): its window is dropped
+    and handed out again in chunks of 8; the updates equal the whole batches' within 1e-6."""
+    whole, a = _seq_train(None)
+    split, b = _seq_train(16)
+    assert b.chunks.size == 8 and a.updates == b.updates == 3
+    assert b.seen.samples == a.seen.samples == 80  # the redone window is counted once
+    for p, q in zip(whole, split, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_out_of_memory_at_one_sample_or_outside_iterate_stands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing smaller than 1 sample to try, a plain loop, or DDP: the error is raised (under
+    DDP with why it cannot be redone on one rank)."""
+    model = SeqModel()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        for x in step.iterate([torch.randn(1, 200, 8)]):
+            with step as s:
+                s.backward(model(x).sum())
+    plain = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=8)
+    with pytest.raises(torch.OutOfMemoryError), plain as s:
+        s.backward(model(torch.randn(16, 8, 8)).sum())
+    from loopkit import _ranks
+
+    monkeypatch.setattr(_ranks, "is_multi_rank", lambda group=None: True)
+    ddp = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=16)
+    with pytest.raises(RuntimeError, match="under DDP"):
+        for x in ddp.iterate([torch.randn(16, 8, 8)]):
+            with ddp as s:
+                s.backward(model(x).sum())
+
+
+def test_a_checkpoint_keeps_a_chunk_size_halved_by_an_out_of_memory_redo() -> None:
+    """The resumed step splits as the saved one had come to (never larger than it is built)."""
+    _, trained = _seq_train(16)
+    state = trained.state_dict()
+    assert state["micro_batch"] == 8
+    other = SeqModel()
+    fresh = loopkit.step(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    model = SeqModel()
+    resumed = loopkit.step(model, torch.optim.AdamW(model.parameters()), accumulate=2,
+                           micro_batch=16)  # fmt: skip
+    resumed.load_state_dict(state)
+    assert resumed.chunks.size == 8 and fresh.chunks.size is None
+
+
+def test_a_group_member_with_micro_batches_is_refused() -> None:
+    """loopkit.steps hands out whole batches: a member built with micro_batch= is refused."""
+    d, g = mlp(), mlp(seed=1)
+    members = (
+        loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), micro_batch=4),
+        loopkit.step(g, torch.optim.SGD(g.parameters(), lr=0.1)),
+    )
+    with pytest.raises(ValueError, match="micro_batch= is not supported for a member"):
+        loopkit.steps(*members)
