@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .._parallel._grad_sync import no_sync, sync_kind
-from . import _compose, _reach
+from . import _compose, _micro_batch, _reach
 from ._accumulate import accumulate
 from ._window import Window
 
@@ -53,10 +53,17 @@ class steps:
                 "update): the steps of one group share one clock, build them with the same "
                 "accumulate="
             )
-        if any(m.chunks.size is not None for m in members):
+        sizes = {m.chunks.size for m in members}
+        if len(sizes) != 1:
             raise ValueError(
-                "micro_batch= is not supported for a member of loopkit.steps yet: the group "
-                "hands out whole batches; build the steps without micro_batch="
+                f"the steps split batches differently (micro_batch= {sorted(map(str, sizes))}): "
+                "the members of a group share one clock, build them with the same micro_batch="
+            )
+        if sizes != {None} and any(m._frozen.params for m in members):
+            raise ValueError(
+                "micro_batch= in a group whose step trains through another member (frozen=, a "
+                "GAN's generator through its critic) is refused: the chunks of one batch would "
+                "see the other member updated part-way through it. Build them without micro_batch="
             )
         _refuse_shared_parameters(members)
         self.members = members
@@ -130,33 +137,48 @@ class steps:
                 if ends:  # counted as the window's batch begins, so a save in it has its number
                     self.updates += 1
                     self._counted = True
-                for acc in accs:
-                    acc._final_pending = ends
-                    acc._closed_by_group = None
-                self._ends = ends
-                with contextlib.ExitStack() as iteration:
-                    # The whole iteration, forwards outside the steps included, runs as the
-                    # member's micro-step will: under no_sync unless it ends the window with
-                    # DDP's own reduction (a member reduced by hand never syncs in a forward).
-                    for acc, sync in self._syncs:
-                        if not ends or acc._sync.reduce_by_hand:
-                            iteration.enter_context(sync)
-                    self._asking.begin()
-                    yield cur
-                self._asking.end()
-                self._ends = False
-                if ends:
-                    self._close_windows()
+                parts = self._parts(cur)
+                for j, (part, share) in enumerate(parts, start=1):
+                    # With micro_batch= each chunk is a micro-step; the batch's last one ends.
+                    item_ends = ends and j == len(parts)
+                    for m, acc in zip(self.members, accs, strict=True):
+                        acc._final_pending = item_ends
+                        acc._closed_by_group = None
+                        m.chunks.share = None if m.chunks.size is None else share
+                    self._ends = item_ends
+                    with contextlib.ExitStack() as iteration:
+                        # The whole iteration, forwards outside the steps included, runs as
+                        # the member's micro-step will: under no_sync unless it ends the window
+                        # with DDP's own reduction (one reduced by hand never syncs in a forward).
+                        for acc, sync in self._syncs:
+                            if not item_ends or acc._sync.reduce_by_hand:
+                                iteration.enter_context(sync)
+                        self._asking.begin()
+                        yield part
+                    self._asking.end()
+                    self._ends = False
+                    if item_ends:
+                        self._close_windows()
                 if last:
                     return
                 index += 1
         finally:
-            for acc in accs:
-                acc._final_pending = False
+            for m, acc in zip(self.members, accs, strict=True):
+                acc._final_pending = acc._by_marks = False
                 acc._closed_by_group = None
+                m.chunks.share = None
             self._ends = False
             self._asking.batch = None
             self.lookahead = 0
+
+    def _parts(self, batch: T) -> list[tuple[T, float]]:
+        """The batch as handed out: whole, or in chunks of the members' ``micro_batch``."""
+        size = self.members[0].chunks.size
+        if size is None:
+            return [(batch, 1.0)]
+        for m in self.members:
+            m.accumulator._by_marks = True  # windows end at the batch's last chunk
+        return _micro_batch.chunks(batch, size)
 
     def _close_skipped(self, entered: bool) -> None:
         """On a window's last batch, after its micro-steps: close the members not entered.

@@ -225,12 +225,49 @@ def test_a_checkpoint_keeps_a_chunk_size_halved_by_an_out_of_memory_redo() -> No
     assert resumed.chunks.size == 8 and fresh.chunks.size is None
 
 
-def test_a_group_member_with_micro_batches_is_refused() -> None:
-    """loopkit.steps hands out whole batches: a member built with micro_batch= is refused."""
+def _pair(micro_batch: int | None) -> list[torch.Tensor]:
+    """Two independent members (actor-critic style, no frozen=) over ragged batches."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 1), nn.Linear(3, 1)
+    a_step = loopkit.step(a, torch.optim.AdamW(a.parameters(), lr=1e-2), accumulate=2,
+                          micro_batch=micro_batch)  # fmt: skip
+    b_step = loopkit.step(b, torch.optim.AdamW(b.parameters(), lr=1e-2), accumulate=2,
+                          micro_batch=micro_batch)  # fmt: skip
+    group = loopkit.steps(a_step, b_step)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 4, generator=gen), torch.randn(n, 3, generator=gen))
+            for n in (8, 8, 5, 8, 3)]  # fmt: skip
+    for x, z in group.iterate(data):
+        assert micro_batch is None or len(x) <= micro_batch
+        with a_step as s:
+            s.backward(a(x).pow(2).mean())
+        with b_step as s:
+            s.backward((b(z) - 1).pow(2).mean())
+    assert group.updates == 3
+    return [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+
+
+def test_a_group_in_micro_batches_trains_as_on_whole_batches() -> None:
+    """Two members in chunks of 3 (8 -> 3, 3, 2): the whole batches' weights within 1e-6."""
+    for p, q in zip(_pair(None), _pair(3), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_gan_in_micro_batches_is_refused() -> None:
+    """frozen=[critic]: the generator's chunks would see the critic updated mid-batch."""
+    d, g = nn.Linear(4, 1), nn.Linear(3, 4)
+    d_step = loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), micro_batch=2)
+    g_step = loopkit.step(g, torch.optim.SGD(g.parameters(), lr=0.1), micro_batch=2, frozen=[d])
+    with pytest.raises(ValueError, match="updated part-way through it"):
+        loopkit.steps(d_step, g_step)
+
+
+def test_group_members_must_split_alike() -> None:
+    """One clock: members with different micro_batch= are refused."""
     d, g = mlp(), mlp(seed=1)
     members = (
         loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), micro_batch=4),
         loopkit.step(g, torch.optim.SGD(g.parameters(), lr=0.1)),
     )
-    with pytest.raises(ValueError, match="micro_batch= is not supported for a member"):
+    with pytest.raises(ValueError, match="split batches differently"):
         loopkit.steps(*members)
