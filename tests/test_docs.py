@@ -126,3 +126,11 @@ def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean
         diff = max((weights[k] - out["single"][k]).abs().max().item() for k in weights)
         assert diff < 1e-6, name
     assert subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout == before
+
+
+def test_the_api_reference_lists_every_public_name() -> None:
+    """Each name of loopkit.__all__ has its `::: loopkit.<name>` entry in docs/api.md."""
+    import loopkit
+
+    listed = set(re.findall(r"^::: loopkit\.(\w+)$", (DOCS / "api.md").read_text(), flags=re.M))
+    assert {n for n in loopkit.__all__ if n != "__version__"} <= listed
