@@ -14,6 +14,7 @@ from loopkit import distributed
 
 torch.set_num_threads(1)
 
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -413,6 +413,42 @@ def gan_one_all_reduce_per_model_per_window(info: distributed.DistInfo) -> dict[
 
 
 @scenario
+def gan_in_micro_batches(info: distributed.DistInfo) -> dict[str, Any]:
+    """DDP GAN with micro_batch= (D in 3s, G in 2s, each member splitting the batch itself):
+    the weights of one process on whole global batches, one all-reduce per model per window."""
+    g = torch.Generator().manual_seed(101)
+    per_rank = [[(torch.randn(4, 2, generator=g), torch.randn(4, 4, generator=g))
+                 for _ in range(6)] for _ in range(2)]  # fmt: skip
+    G, D = _gan_models()
+    ddp_g, calls_g = counted_ddp(G)
+    ddp_d, calls_d = counted_ddp(D)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    d_step = loopkit.step(ddp_d, torch.optim.Adam(ddp_d.parameters(), lr=1e-2), accumulate=2,
+                          micro_batch=3)  # fmt: skip
+    g_step = loopkit.step(ddp_g, torch.optim.Adam(ddp_g.parameters(), lr=1e-2), accumulate=2,
+                          micro_batch=2, frozen=[ddp_d])  # fmt: skip
+    for batch in loopkit.steps(d_step, g_step).iterate(per_rank[info.rank]):
+        for real, noise in d_step.split(batch):
+            with d_step as s:
+                s.backward(bce(ddp_d(real), torch.ones(len(real), 1)))
+                s.backward(bce(ddp_d(ddp_g(noise).detach()), torch.zeros(len(real), 1)))
+        for _, noise in g_step.split(batch):
+            with g_step as s:
+                s.backward(bce(ddp_d(ddp_g(noise)), torch.ones(len(noise), 1)))
+    G_ref, D_ref = _gan_models()
+    glob = [(torch.cat([per_rank[r][k][0] for r in range(2)]),
+             torch.cat([per_rank[r][k][1] for r in range(2)])) for k in range(6)]  # fmt: skip
+    _gan_loop(G_ref, D_ref, glob, lambda when: None)
+    got = _flat_of(ddp_g.module, ddp_d.module)
+    return {
+        "updates": (d_step.updates, g_step.updates),
+        "calls": (len(calls_d), len(calls_g)),
+        "same": all(torch.equal(x, replicas(got)[0]) for x in replicas(got)),
+        "diff": (got - _flat_of(G_ref, D_ref)).abs().max().item(),
+    }
+
+
+@scenario
 def forward_outside_a_non_final_micro_step_is_refused(info: distributed.DistInfo) -> dict[str, Any]:
     """Without loopkit.steps, G's forward before G's no_sync micro-step: a clear error."""
     G, _ = _gan_models()

@@ -35,6 +35,11 @@ _DEPRECATED_ACCUMULATE = (
 )
 
 
+def _deprecated_accumulate(self: step) -> _accumulate.accumulate:
+    warnings.warn(_DEPRECATED_ACCUMULATE, DeprecationWarning, stacklevel=2)
+    return self.accumulator
+
+
 def _check_accumulate(accumulate: object) -> None:
     """Refuse a bad ``accumulate=``, named as the user wrote it (accumulate says ``every``)."""
     if not is_int_at_least(accumulate, 1):
@@ -145,6 +150,7 @@ class step(contextlib.ContextDecorator):
         # 2. accumulate: the micro-step opens (a window's first clears the gradients); a
         #    non-final one enters no_sync before the forward, where DDP decides to all-reduce.
         try:
+            self.chunks.check_entry()  # a GAN member with micro_batch= needs step.split
             self.accumulator.__enter__()
         except BaseException as err:
             if doc is not None:  # nothing of this micro-step stays entered
@@ -188,8 +194,7 @@ class step(contextlib.ContextDecorator):
         tb: TracebackType | None,
     ) -> bool:
         doc = self.doctor
-        # This micro-step's record is taken out first: whatever fails below, nothing of it
-        # is left to be logged under the next micro-step.
+        # The record is taken out first: whatever fails, none of it is logged by the next.
         loss, extra = self._loss, self._extra
         self._loss, self._extra = None, {}
         try:
@@ -239,6 +244,10 @@ class step(contextlib.ContextDecorator):
         """
         return _feed.iterate(self, iterable, progress, tokens)
 
+    def split(self, batch: T) -> Iterator[T]:
+        """A ``loopkit.steps`` member's chunks of ``batch`` (micro_batch= beside frozen=)."""
+        return _micro_batch.split(self, batch)
+
     def flush(self) -> bool:
         """Close a partial window (after a loop that did not use ``iterate``) and the log."""
         stepped = self.accumulator.flush()
@@ -281,11 +290,7 @@ class step(contextlib.ContextDecorator):
         """Micro-steps entered in the current window (0 between windows)."""
         return self.accumulator.micro_step
 
-    @property
-    def accumulate(self) -> _accumulate.accumulate:
-        """Deprecated name of ``step.accumulator``."""
-        warnings.warn(_DEPRECATED_ACCUMULATE, DeprecationWarning, stacklevel=2)
-        return self.accumulator
+    accumulate = property(_deprecated_accumulate, doc="Deprecated name of step.accumulator.")
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, what was seen, the chunk size and the GradScaler, between windows."""

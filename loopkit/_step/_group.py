@@ -54,18 +54,19 @@ class steps:
                 "accumulate="
             )
         sizes = {m.chunks.size for m in members}
-        if len(sizes) != 1:
+        # A frozen= member (a GAN) trains through another: each member splits the whole batch
+        # itself (step.split), all of one member's chunks before the next member's.
+        by_member = sizes != {None} and any(m._frozen.params for m in members)
+        if len(sizes) != 1 and not by_member:
             raise ValueError(
                 f"the steps split batches differently (micro_batch= {sorted(map(str, sizes))}): "
                 "the members of a group share one clock, build them with the same micro_batch="
             )
-        if sizes != {None} and any(m._frozen.params for m in members):
-            raise ValueError(
-                "micro_batch= in a group whose step trains through another member (frozen=, a "
-                "GAN's generator through its critic) is refused: the chunks of one batch would "
-                "see the other member updated part-way through it. Build them without micro_batch="
-            )
         _refuse_shared_parameters(members)
+        ddps = [m.model for m in members if sync_kind(m.model) == "ddp"]
+        for m in members:
+            m.chunks.by_member = by_member
+            m.chunks.others = [x for x in ddps if x is not m.model] if by_member else []
         self.members = members
         self.every: int = everies.pop()
         self.updates = 0
@@ -125,6 +126,7 @@ class steps:
             return
         index = 0
         accs = [m.accumulator for m in self.members]
+        by_member = self.members[0].chunks.by_member
         try:
             while True:
                 cur = nxt
@@ -144,7 +146,7 @@ class steps:
                     for m, acc in zip(self.members, accs, strict=True):
                         acc._final_pending = item_ends
                         acc._closed_by_group = None
-                        m.chunks.share = None if m.chunks.size is None else share
+                        m.chunks.share = None if m.chunks.size is None or by_member else share
                     self._ends = item_ends
                     with contextlib.ExitStack() as iteration:
                         # The whole iteration, forwards outside the steps included, runs as
@@ -174,10 +176,12 @@ class steps:
     def _parts(self, batch: T) -> list[tuple[T, float]]:
         """The batch as handed out: whole, or in chunks of the members' ``micro_batch``."""
         size = self.members[0].chunks.size
-        if size is None:
+        if size is None and not self.members[0].chunks.by_member:
             return [(batch, 1.0)]
         for m in self.members:
             m.accumulator._by_marks = True  # windows end at the batch's last chunk
+        if size is None or self.members[0].chunks.by_member:
+            return [(batch, 1.0)]  # each member splits it (step.split)
         return _micro_batch.chunks(batch, size)
 
     def _close_skipped(self, entered: bool) -> None:

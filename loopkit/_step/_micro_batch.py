@@ -15,6 +15,7 @@ all ranks take the smallest size any of them found.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import random
@@ -27,6 +28,7 @@ from torch import nn
 
 from .. import _ranks
 from .._checks import is_int_at_least
+from .._parallel import _grad_sync
 from .._parallel._grad_sync import no_sync
 from . import _misuse
 
@@ -50,7 +52,7 @@ class Chunks:
     """A step's micro-batching: the chunk size, the current chunk's share, whether iterate is
     handing out chunks now, and whether the current window must be handed out again."""
 
-    __slots__ = ("redo", "replaying", "share", "size")
+    __slots__ = ("by_member", "others", "redo", "replaying", "share", "size", "splitting")
 
     def __init__(self, size: int | None) -> None:
         check_micro_batch(size)
@@ -58,6 +60,19 @@ class Chunks:
         self.share: float | None = None
         self.replaying = False
         self.redo = False
+        self.by_member = False  # in a group that splits member by member (see ``split``)
+        self.splitting = False  # ``split`` is handing out this step's chunks now
+        self.others: list[nn.Module] = []  # the group's other DDP models (quiet while splitting)
+
+    def check_entry(self) -> None:
+        """Refuse a micro-step on a whole batch where the group wants ``step.split``."""
+        if self.by_member and not self.splitting:
+            raise RuntimeError(
+                "micro_batch= in a loopkit.steps group with a frozen= member (a GAN): the "
+                "group hands out whole batches and each member splits them itself, so the "
+                "generator's chunks see the critic after its whole-batch update. Loop every "
+                "member `for part in step.split(batch):` around its `with step:`"
+            )
 
     def resume(self, saved: object) -> None:
         """A checkpoint's size: smaller than this run's after an out-of-memory redo, it is kept
@@ -138,6 +153,50 @@ def iterate(step: Any, batches: Iterable[T]) -> Iterator[T]:
         acc._final_pending = False
         acc.lookahead = 0
         state.share = None
+
+
+def split(step: Any, batch: T) -> Iterator[T]:
+    """A group member's chunks of ``batch``, each its own micro-step (``step.split``).
+
+    In a group with a ``frozen=`` member (a GAN) the batch is split member by member: all
+    of the critic's chunks, its update (on a window's last batch), then the generator's
+    chunks through the updated critic, as on whole batches. The window ends at the last
+    chunk of the batch the group says ends it; the other chunks skip DDP's all-reduce.
+    """
+    state, acc = step.chunks, step.accumulator
+    if state.replaying or state.splitting:
+        raise RuntimeError(
+            "step.split(batch) inside step.iterate or another split: iterate already hands "
+            "out chunks; split is for the members of a loopkit.steps group with frozen="
+        )
+    if not state.by_member:
+        raise RuntimeError(
+            "step.split(batch) is for the members of a loopkit.steps group with a frozen= "
+            "member; a single step splits its batches itself in step.iterate (micro_batch=)"
+        )
+    if acc._inside:
+        raise RuntimeError("step.split(batch) inside `with step:`: loop over it around `with`")
+    ends = acc._final_pending
+    parts = [(batch, 1.0)] if state.size is None else chunks(batch, state.size)
+    ddp = _grad_sync.sync_kind(step.model) == "ddp"
+    state.splitting = True
+    try:
+        for j, (part, share) in enumerate(parts, start=1):
+            last = j == len(parts)
+            acc._final_pending = ends and last
+            state.share = None if state.size is None else share
+            with contextlib.ExitStack() as quiet:
+                # A chunk that does not end the window skips DDP's all-reduce, its forward
+                # too; the other members' models forward here without preparing one (a
+                # prepared reducer would all-reduce their next backward, a no_sync one).
+                if ddp and (not (ends and last) or acc._sync.reduce_by_hand):
+                    quiet.enter_context(no_sync(step.model))
+                for other in state.others:
+                    quiet.enter_context(no_sync(other))
+                yield part
+    finally:
+        state.splitting, state.share = False, None
+        acc._final_pending = False  # a loop left early: the group closes the window
 
 
 def _looking_ahead(acc: Any, it: Iterator[T]) -> Iterator[tuple[T, bool]]:

@@ -94,6 +94,14 @@ def test_a_ddp_gan_makes_one_all_reduce_per_model_per_window(results: Any) -> No
         assert r["same"] and r["diff"] < 1e-6
 
 
+def test_a_gan_in_micro_batches_matches_whole_global_batches(results: Any) -> None:
+    """micro_batch= in a DDP GAN (each member splits the batch, all of D's chunks first): the
+    weights of one process on whole global batches, one all-reduce per model per window."""
+    for r in results["gan_in_micro_batches"]:
+        assert r["updates"] == (3, 3) and r["calls"] == (3, 3)
+        assert r["same"] and r["diff"] < 1e-6
+
+
 def test_a_forward_outside_a_no_sync_micro_step_is_refused(results: Any) -> None:
     """DDP would all-reduce a backward whose forward ran with sync on: refused, said how."""
     for r in results["forward_outside_a_non_final_micro_step_is_refused"]:

@@ -253,13 +253,56 @@ def test_a_group_in_micro_batches_trains_as_on_whole_batches() -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def test_a_gan_in_micro_batches_is_refused() -> None:
-    """frozen=[critic]: the generator's chunks would see the critic updated mid-batch."""
+def _gan(d_chunk: int | None, g_chunk: int | None, split: bool = True) -> list[torch.Tensor]:
+    """A critic and a generator trained through it (frozen=), accumulate=2, ragged batches;
+    each member splits the batch itself (step.split) when it has a micro_batch."""
+    torch.manual_seed(0)
+    d, g = nn.Linear(4, 1), nn.Linear(3, 4)
+    d_step = loopkit.step(d, torch.optim.AdamW(d.parameters(), lr=1e-2), accumulate=2,
+                          micro_batch=d_chunk)  # fmt: skip
+    g_step = loopkit.step(g, torch.optim.AdamW(g.parameters(), lr=1e-2), accumulate=2,
+                          micro_batch=g_chunk, frozen=[d])  # fmt: skip
+    group = loopkit.steps(d_step, g_step)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 4, generator=gen), torch.randn(n, 3, generator=gen))
+            for n in (8, 8, 5, 8, 3)]  # fmt: skip
+    for batch in group.iterate(data):
+        for real, z in d_step.split(batch) if split else [batch]:
+            assert d_chunk is None or len(real) <= d_chunk
+            with d_step as s:
+                s.backward(d(g(z).detach()).mean() - d(real).mean())
+        for _, z in g_step.split(batch) if split else [batch]:
+            with g_step as s:
+                s.backward(-d(g(z)).mean())
+    assert group.updates == 3 and d_step.updates == g_step.updates == 3
+    return [p.detach().clone() for p in (*d.parameters(), *g.parameters())]
+
+
+def test_a_gan_in_micro_batches_trains_as_on_whole_batches() -> None:
+    """frozen=[critic]: each member splits the batch itself, all of the critic's chunks (and
+    its update) before the generator's, so the weights equal the whole batches' within 1e-6;
+    the members may split differently (3 and 2, or one not at all)."""
+    whole = _gan(None, None, split=False)
+    for sizes in ((3, 3), (3, 2), (None, 2), (4, None)):
+        for p, q in zip(whole, _gan(*sizes), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_gan_member_entered_on_the_whole_batch_is_refused() -> None:
+    """micro_batch= beside frozen=: entering any member without step.split raises before the
+    micro-step opens, and split is refused outside such a group."""
     d, g = nn.Linear(4, 1), nn.Linear(3, 4)
     d_step = loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), micro_batch=2)
     g_step = loopkit.step(g, torch.optim.SGD(g.parameters(), lr=0.1), micro_batch=2, frozen=[d])
-    with pytest.raises(ValueError, match="updated part-way through it"):
-        loopkit.steps(d_step, g_step)
+    group = loopkit.steps(d_step, g_step)
+    for _ in group.iterate([torch.zeros(4, 4)]):
+        for member in (d_step, g_step):
+            with pytest.raises(RuntimeError, match=r"step\.split"), member:
+                pass
+            assert member.micro_step == 0
+    alone = loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), micro_batch=2)
+    with pytest.raises(RuntimeError, match="splits its batches itself"):
+        next(iter(alone.split(torch.zeros(4, 4))))
 
 
 def test_group_members_must_split_alike() -> None:
