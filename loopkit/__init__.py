@@ -37,6 +37,7 @@ _WHERE: dict[str, str] = {
     "steps": "_step._group",
     "scale_lr": "_step._lr_scale",
     "probe_micro_batch": "_step._micro_batch",
+    "ema": "_ema._average",
     "until": "_control._until",
     "early_stop": "_control._early_stop",
     "cadence": "_control._cadence",
@@ -92,6 +93,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._data._preload import Preloaded as Preloaded
     from ._data._preload import preload as preload
     from ._data._to_device import to_device as to_device
+    from ._ema._average import ema as ema
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
     from ._errors import OpenWindowWarning as OpenWindowWarning

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,14 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def dist_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every scenario of dist_worker.py, run once by two processes, for every test file."""
+    from helpers import launch_scenarios
+
+    return launch_scenarios("tests/dist_worker.py", tmp_path_factory.mktemp("dist"))
 
 
 @pytest.fixture

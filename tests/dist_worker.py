@@ -368,6 +368,118 @@ def fsdp2_no_sync(info: distributed.DistInfo) -> dict[str, Any]:
     }
 
 
+def _ema_run(info: distributed.DistInfo, with_ema: bool) -> tuple[Any, list[str]]:
+    """DDP, accumulate=2, AdamW over this rank's batches; the collectives the loop called."""
+    model = distributed.wrap(mlp())
+    average = loopkit.ema(model, decay=0.9, warmup=True) if with_ema else None
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), accumulate=2,
+                        ema=average)  # fmt: skip
+    with counted_collectives() as calls:
+        for batch in step.iterate(data([4, 4, 4, 4, 4, 3], seed=60 + info.rank)):
+            with step as s:
+                s.backward(loss_of(model, batch))
+    return average, calls
+
+
+@scenario
+def ema_ddp(info: distributed.DistInfo) -> dict[str, Any]:
+    """EMA under DDP: the same collectives as without it; the ranks' averages bit-identical."""
+    average, with_ema = _ema_run(info, True)
+    _, without = _ema_run(info, False)
+    flat = torch.cat([t.flatten() for t in average.shadow])
+    gathered = [torch.empty_like(flat) for _ in range(info.world_size)]
+    dist.all_gather(gathered, flat)
+    return {
+        "with": with_ema,
+        "without": without,
+        "updates": average.updates,
+        "same": all(torch.equal(g, gathered[0]) for g in gathered),
+    }
+
+
+class _Odd(nn.Module):
+    """Rows 15 and 1: FSDP2 shards them 8 + 7 and 1 + 0 over two ranks (uneven, one empty)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b = nn.Linear(8, 15), nn.Linear(15, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@scenario
+def ema_fsdp2(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 with uneven shards: each rank averages its shard (no gather per update); the
+    gathered averages equal one process's on the global batches; swapped() and a
+    torch.distributed.checkpoint round trip of the shards."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    per_rank = [data([4] * 6, seed=70 + r) for r in range(info.world_size)]
+    model = _Odd()
+    try:
+        fully_shard(model)
+    except Exception as err:
+        return {"skipped": f"fully_shard failed on this build: {err}"}
+    average = loopkit.ema(model, decay=0.8, warmup=True)
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), accumulate=2,
+                        ema=average)  # fmt: skip
+    with counted_collectives() as calls:
+        for batch in per_rank[info.rank]:
+            with step as s:
+                s.backward(loss_of(model, batch))
+    no_ema = _Odd()
+    fully_shard(no_ema)
+    plain = loopkit.step(no_ema, torch.optim.AdamW(no_ema.parameters(), lr=1e-2), accumulate=2)
+    with counted_collectives() as plain_calls:
+        for batch in per_rank[info.rank]:
+            with plain as s:
+                s.backward(loss_of(no_ema, batch))
+    # One process on the global batches, with the same average.
+    ref = _Odd()
+    ref_avg = loopkit.ema(ref, decay=0.8, warmup=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for start in range(0, 6, 2):
+        xs = torch.cat([b[0] for r in per_rank for b in r[start : start + 2]])
+        ys = torch.cat([b[1] for r in per_rank for b in r[start : start + 2]])
+        loss_of(ref, (xs, ys)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_avg.update()
+    saved = average.state_dict()
+    full = {n: t.full_tensor() for n, t in saved["shadow"].items()}
+    diff = max((full[n] - t).abs().max().item() for n, t in ref_avg.named_shadow().items())
+    shard_rows = [int(t.shape[0]) for t in average.shadow]
+    training = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    with average.swapped():
+        inside = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    swapped_in = max((inside[n] - full[n]).abs().max().item() for n in full)
+    restored = all(torch.equal(after[k], training[k]) for k in training)
+    where = Path(sys.argv[1]) / "ema_dcp"
+    dcp.save({"ema": saved}, checkpoint_id=where)
+    fresh = loopkit.ema(model, decay=0.8, warmup=True)
+    target = fresh.state_dict()
+    dcp.load({"ema": target}, checkpoint_id=where)
+    fresh.load_state_dict(target)
+    return {
+        "skipped": None,
+        "max_diff": diff,
+        "updates": average.updates,
+        "shard_rows": shard_rows,
+        "extra_collectives": len(calls) - len(plain_calls),
+        "swapped_in": swapped_in,
+        "restored": restored,
+        "dcp_equal": fresh.updates == average.updates
+        and all(torch.equal(a, b) for a, b in zip(fresh.shadow, average.shadow, strict=True)),
+    }
+
+
 @scenario
 def micro_batch_probe(info: distributed.DistInfo) -> dict[str, Any]:
     """Ranks that fit different sizes agree on the smallest; micro-batched DDP training then

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, launch_env, launch_scenarios, mlp
+from helpers import ROOT, launch_env, mlp
 
 import loopkit
 from loopkit import distributed
@@ -30,9 +30,9 @@ def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """Every scenario of dist_worker.py, run once by two processes."""
-    return launch_scenarios("tests/dist_worker.py", tmp_path_factory.mktemp("dist"))
+def results(dist_results: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Every scenario of dist_worker.py, run once by two processes (shared with tests/ema)."""
+    return dist_results
 
 
 def test_ranks_agree_on_the_smallest_micro_batch_and_it_trains_as_whole_batches(

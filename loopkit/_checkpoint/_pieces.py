@@ -247,6 +247,8 @@ class StepState(UserState):
         self.scheduler: Stateful | None = (
             None if scheduler is None or id(scheduler) in elsewhere else scheduler
         )
+        ema = self.accumulator._rule.ema  # the step's ema=, unless saved under extra=
+        self.ema = None if ema is None or id(ema) in elsewhere else ema
 
     def _counters(self, saved: Mapping[str, object]) -> Mapping[str, object]:
         if isinstance(self.step, _compose.step):
@@ -262,6 +264,8 @@ class StepState(UserState):
             state["scheduler"] = self.scheduler.state_dict()
         if self.amp is not None:
             state["amp"] = self.amp.state_dict()
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
         return state
 
     def state_dict(self) -> dict[str, object]:
@@ -280,6 +284,7 @@ class StepState(UserState):
             )
         check_precision(state.get("precision"), self.precision, self.who)
         self._check_scheduler(state)
+        self._check_ema(state)
         every = need(counters, "every", int, "the step's 'every'")
         if every != self.accumulator.every:
             raise CheckpointError(
@@ -305,6 +310,21 @@ class StepState(UserState):
                 "step and the Checkpointer as when saving"
             )
 
+    def _check_ema(self, state: Mapping[str, object]) -> None:
+        if self.ema is not None and "ema" not in state:
+            raise CheckpointError(
+                f"this run's {self.who} has an ema= but the checkpoint holds none (saved "
+                "without one, or under extra=): build the step and the Checkpointer as when "
+                "saving"
+            )
+        if self.ema is None and "ema" in state:
+            raise CheckpointError(
+                f"the checkpoint holds the {self.who}'s ema but this run's {self.who} has "
+                "none (or the Checkpointer saves it under extra=): build it with the same ema="
+            )
+        if self.ema is not None:
+            self.ema.check_state_dict(state["ema"])
+
     def snapshot(self) -> object:
         return copied(self.state_dict())
 
@@ -321,6 +341,10 @@ class StepState(UserState):
             amp_state = saved["amp"]
             assert isinstance(amp_state, Mapping)  # check_state_dict made sure
             self.amp.load_state_dict(amp_state)
+        if self.ema is not None:
+            ema_state = saved["ema"]
+            assert isinstance(ema_state, Mapping)  # check_state_dict made sure
+            self.ema.load_state_dict(ema_state)
 
     def restore(self, snapshot: object) -> None:
         self.load_state_dict(snapshot)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._checks import is_int_at_least
+from .._ema import _average
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
 from .._types import Weight
@@ -75,7 +76,8 @@ class accumulate(contextlib.ContextDecorator):
     guard, step, schedule), and an exception there drops the window as if it never
     happened. ``skip_nonfinite=True`` skips updates whose loss or gradient norm is inf/nan
     on any rank (one host read per update); ``max_consecutive_skips=K`` raises after K in a
-    row (fp16's start-up back-off not counted). ``acc.flush()`` (or ``for batch in
+    row (fp16's start-up back-off not counted); ``ema=loopkit.ema(model)`` is averaged after
+    each real update. ``acc.flush()`` (or ``for batch in
     acc.iterate(loader)``) closes a ragged last window with exact normalization.
     """
 
@@ -93,11 +95,12 @@ class accumulate(contextlib.ContextDecorator):
         amp: autocast_step | None = None,
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = None,
+        ema: _average.ema | None = None,
     ) -> None:
         _check_binding(model, optimizer, every)
         kind = sync_kind(model)
         rule = UpdateRule(
-            optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler,
+            optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler, ema=ema,
             skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
             kind=kind, group=getattr(unwrap(model), "process_group", None),
         )  # fmt: skip
@@ -121,6 +124,7 @@ class accumulate(contextlib.ContextDecorator):
         self.lookahead = 0
         """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
         self._guard = _misuse.Guard(self, model, optimizer, scheduler, kind, every)
+        rule.claim_ema(self)  # everything checked: the ema is this accumulate's to update
 
     # -- what a user reads ------------------------------------------------------------------
 
@@ -184,15 +188,12 @@ class accumulate(contextlib.ContextDecorator):
         return self
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
-        """Back-propagate this micro-batch's loss, normalized for the window.
+        """Back-propagate this micro-batch's mean loss, normalized for the window.
 
-        ``loss`` is the micro-batch's mean loss as usual. ``weight`` (samples or tokens in
-        the micro-batch) makes unequal micro-batches count in proportion, so the update
-        equals the one of a single batch holding all of them. Several backward calls in
-        one micro-step (two losses whose graphs should not stay alive together) add up to
-        that micro-step's contribution, normalized once; ``weight=`` belongs to the
-        micro-step, on its first call. ``inputs=``/``retain_graph=`` go to autograd.
-        """
+        ``weight`` (samples or tokens in the micro-batch) makes unequal micro-batches count
+        in proportion, as in one batch holding all of them. Several calls in one micro-step
+        add up to its contribution; ``weight=`` goes with the first. ``inputs=``/
+        ``retain_graph=`` go to autograd."""
         if not self._inside:
             raise RuntimeError(
                 "acc.backward(loss) must be called inside `with acc:` (it belongs to that "

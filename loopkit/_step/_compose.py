@@ -19,6 +19,7 @@ from torch import nn
 from .._checks import is_int_at_least
 from .._data._to_device import Mover
 from .._devices import model_device, resolve_device, same_device
+from .._ema import _average
 from .._logging import _detach
 from .._observe import _doctor
 from .._parallel._grad_sync import no_sync, sync_kind, unwrap
@@ -68,7 +69,8 @@ class step(contextlib.ContextDecorator):
     ``device`` for ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an
     int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
     guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
-    ``micro_batch=m``: ``iterate`` hands out batches in chunks of at most ``m`` samples.
+    ``micro_batch=m``: ``iterate`` hands out batches in chunks of at most ``m`` samples;
+    ``ema=loopkit.ema(model)`` is averaged after each real update.
     ``frozen=[D]``: modules this step trains through but not (a GAN's discriminator in the
     generator's step): inside each micro-step their parameters get no gradient and a DDP
     one does not all-reduce; ``requires_grad`` is restored on exit, whatever happens.
@@ -94,6 +96,7 @@ class step(contextlib.ContextDecorator):
         doctor: _doctor.doctor | None = None,
         frozen: Sequence[nn.Module] = (),
         micro_batch: int | None = None,
+        ema: _average.ema | None = None,
     ) -> None:
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
@@ -126,6 +129,7 @@ class step(contextlib.ContextDecorator):
             amp=self.amp if self.amp.precision != "fp32" else None,
             skip_nonfinite=skip_nonfinite,
             max_consecutive_skips=max_consecutive_skips,
+            ema=ema,
         )
         """The ``loopkit.accumulate`` this step drives (windows, update, counters)."""
         self.doctor = doctor
@@ -165,11 +169,8 @@ class step(contextlib.ContextDecorator):
         return self
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
-        """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate).
-
-        Call it several times in one micro-step to back-propagate several losses one at a
-        time; ``inputs=``/``retain_graph=`` go to autograd.
-        """
+        """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate);
+        several calls add up, ``inputs=``/``retain_graph=`` go to autograd."""
         _refuse_outside(self.accumulator)
         # 5. autocast ends before backward, as torch recommends (backward ops take the
         #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
@@ -264,10 +265,8 @@ class step(contextlib.ContextDecorator):
 
     @property
     def updated(self) -> bool:
-        """Whether the last micro-step or ``flush()`` closed its window with an update.
-
-        Accelerate's ``sync_gradients``: False inside ``with``, mid-window, and on a skipped
-        update (inf/nan). Host-side: reading it never syncs."""
+        """Whether the last micro-step or ``flush()`` made an update (Accelerate's
+        ``sync_gradients``: False inside ``with``, mid-window, on an inf/nan skip; no sync)."""
         return self.accumulator.updated
 
     @property

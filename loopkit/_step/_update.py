@@ -16,6 +16,7 @@ import torch
 
 from .. import _ranks
 from .._checks import is_int_at_least
+from .._ema import _average
 from .._precision import agree_found_inf, autocast_step, mark_found_inf
 from .._sync_points import expected_sync
 from .._types import SyncKind
@@ -87,6 +88,27 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def check_ema(ema: object, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an ``ema=`` that is not a loopkit.ema of parameters this optimizer updates."""
+    if ema is None:
+        return
+    if not isinstance(ema, _average.ema):
+        raise TypeError(f"ema must be a loopkit.ema(model), got {type(ema).__name__}")
+    if ema.owner is not None:
+        raise ValueError(
+            f"this ema is already updated by another {type(ema.owner).__name__}: give each "
+            "ema to one step (build one ema per model)"
+        )
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    stray = [n for n, p in zip(ema._names, ema._params, strict=True) if id(p) not in stepped]
+    if stray:
+        more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+        raise ValueError(
+            f"the ema averages {stray[0]!r}{more}, which this step's optimizer does not "
+            "update: build the ema on the model this step trains"
+        )
+
+
 class UpdateRule:
     """How one optimizer is updated at a window boundary (settings checked on construction)."""
 
@@ -97,6 +119,7 @@ class UpdateRule:
         amp: autocast_step | None,
         clip_grad_norm: float | None,
         scheduler: Any,
+        ema: Any = None,
         skip_nonfinite: bool,
         max_consecutive_skips: int | None,
         kind: SyncKind,
@@ -112,6 +135,7 @@ class UpdateRule:
                 f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}"
             )
         check_scheduler(scheduler, optimizer)
+        check_ema(ema, optimizer)
         if amp is not None and not isinstance(amp, autocast_step):
             raise TypeError(
                 f"amp must be a loopkit.autocast_step (it carries the fp16 GradScaler), got "
@@ -129,6 +153,7 @@ class UpdateRule:
         self.fp16 = amp is not None and amp.scaler is not None
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.scheduler = scheduler
+        self.ema: _average.ema | None = ema
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.kind: SyncKind = kind
@@ -178,6 +203,8 @@ class UpdateRule:
             progress.consecutive_skips = 0
             if self.scheduler is not None:
                 self.scheduler.step()
+            if self.ema is not None:
+                self.ema.advance()  # averaged once per real update (every= counts these)
             return True
         progress.skipped += 1
         if self._skip_counts(window):
@@ -190,6 +217,11 @@ class UpdateRule:
                 "data, or resume from an earlier checkpoint"
             )
         return False
+
+    def claim_ema(self, owner: object) -> None:
+        """The ema is updated by ``owner`` from now on (after everything else was checked)."""
+        if self.ema is not None:
+            self.ema.owner = owner
 
     def loss_bad(self, window: Window) -> torch.Tensor:
         """A 0-d bool, the same on every rank: whether any rank's window had a non-finite loss.

@@ -1,0 +1,279 @@
+"""ema: an fp32 moving average of a model's trainable parameters, one update per real update.
+
+The shadow is a list of fp32 tensors beside the model (never a deep copy of the model, so a
+bf16 model still gets an fp32 average: a bf16 shadow at decay 0.9999 rounds most updates
+away). Each update is one ``torch._foreach_lerp_`` over the shadow (bf16/fp16 parameters: a
+``_foreach_mul_`` and a mixed-dtype ``_foreach_add_``); buffers (BatchNorm statistics) are
+copied, not averaged. Under DDP every rank's parameters are the same after an update, so
+their shadows are too, with no communication; under FSDP2 each rank averages its own shard
+(the local tensor of each DTensor parameter), with no gather.
+
+Given to ``loopkit.step(..., ema=)`` or ``accumulate(..., ema=)`` it is updated by the step
+after each optimizer step that ran: never on a micro-step, never on an update skipped for
+inf/nan. On its own, call ``ema.update()`` after ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import CheckpointError
+from .._parallel._grad_sync import sync_kind, unwrap
+from ._decay import check_settings, decay_at
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's data on this rank: an FSDP2 DTensor's shard (no gather), else itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The module whose parameter names the user knows: torch.compile and DDP peeled."""
+    if sync_kind(model) == "fsdp1":
+        raise ValueError(
+            "an ema of an FSDP1 model (flat parameters) is not supported: shard it with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), whose parameters the ema averages per shard"
+        )
+    module = unwrap(model)
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        module = module.module
+    return unwrap(module)
+
+
+def _as_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` laid out as ``param``: a DTensor of the same mesh and placements for an
+    FSDP2 parameter (no communication), else ``local`` itself."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, param.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=param.shape, stride=param.stride())  # fmt: skip
+
+
+class ema:
+    """An exponential moving average of ``model``'s trainable parameters, kept in fp32.
+
+    ``decay`` is the weight the average keeps at each of its updates; ``warmup=True`` ramps
+    it as timm's ModelEmaV3 (``1 - (1 + k / warmup_gamma) ** -warmup_power`` at the
+    (k+1)-th update, the first copying the weights); ``every=N`` averages on every N-th
+    optimizer update. ``with ema.swapped():`` evaluates with the average.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.9999,
+        *,
+        warmup: bool = False,
+        warmup_gamma: float = 1.0,
+        warmup_power: float = 2 / 3,
+        every: int = 1,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        check_settings(decay, every, warmup, warmup_gamma, warmup_power)
+        module = _inner(model)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                "the model has no trainable parameters (requires_grad=True) to average"
+            )
+        self.model = model
+        self.decay, self.every, self.warmup = float(decay), int(every), warmup
+        self.warmup_gamma, self.warmup_power = float(warmup_gamma), float(warmup_power)
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._buffer_names = [n for n, _ in module.named_buffers()]
+        self._buffers = [b for _, b in module.named_buffers()]
+        with torch.no_grad():
+            # clone(): .float() of an fp32 tensor is the tensor itself.
+            self.shadow = [_local(p).detach().float().clone() for p in self._params]
+            self.buffers = [_local(b).detach().clone() for b in self._buffers]
+        self.updates = 0
+        """EMA updates made (the warm-up's count)."""
+        self.seen = 0
+        """Real optimizer updates seen (``every`` counts these)."""
+        self.owner: object | None = None  # the step/accumulate that updates it, if any
+
+    # -- updating ------------------------------------------------------------------------------
+
+    def update(self) -> bool:
+        """Count one optimizer update (call it after ``optimizer.step()``); average on every
+        ``every``-th. Returns whether it averaged."""
+        if self.owner is not None:
+            raise RuntimeError(
+                "this ema is updated by the loopkit.step (or accumulate) it was given to "
+                "(ema=), after each real optimizer update: remove the ema.update() call"
+            )
+        return self.advance()
+
+    def advance(self) -> bool:
+        """One real optimizer update happened (what the owning step calls)."""
+        self.seen += 1
+        if self.seen % self.every:
+            return False
+        d = decay_at(self.updates + 1, self.decay, self.warmup, self.warmup_gamma,
+                     self.warmup_power)  # fmt: skip
+        self._average(1.0 - d)
+        self.updates += 1
+        return True
+
+    @torch.no_grad()
+    def _average(self, weight: float) -> None:
+        """shadow += weight * (param - shadow), one foreach kernel per dtype; buffers copied.
+
+        ``weight`` is a Python float: a kernel argument, no host-device sync."""
+        params = [_local(p) for p in self._params]
+        full = [i for i, p in enumerate(params) if p.dtype == torch.float32]
+        if len(full) == len(params):
+            torch._foreach_lerp_(self.shadow, params, weight)
+        else:
+            low = [i for i, p in enumerate(params) if p.dtype != torch.float32]
+            if full:
+                torch._foreach_lerp_([self.shadow[i] for i in full], [params[i] for i in full],
+                                     weight)  # fmt: skip
+            shadow_low = [self.shadow[i] for i in low]
+            torch._foreach_mul_(shadow_low, 1.0 - weight)
+            torch._foreach_add_(shadow_low, [params[i] for i in low], alpha=weight)
+        if self.buffers:
+            torch._foreach_copy_(self.buffers, [_local(b) for b in self._buffers])
+
+    # -- using it ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def swapped(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
+        """Put the average (and its buffers) into ``model`` (default: the averaged one) for
+        the block; the training weights and buffers come back bit for bit in a ``finally``,
+        even when the block raises. The training weights are copied aside meanwhile."""
+        chosen = self.model if model is None else model
+        params, buffers = self._targets(chosen)  # checked before anything changes
+        targets = [*params, *buffers]
+        with torch.no_grad():
+            kept = [t.detach().clone() for t in targets]
+        try:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, [*self.shadow, *self.buffers])
+            yield chosen
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, kept)
+
+    def _targets(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``model``'s local parameter and buffer tensors matching the shadow, checked."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        module = _inner(model)
+        named_params = dict(module.named_parameters())
+        named_buffers = dict(module.named_buffers())
+        missing = [n for n in self._names if n not in named_params]
+        missing += [n for n in self._buffer_names if n not in named_buffers]
+        if missing:
+            raise ValueError(
+                f"the model has no {missing[0]!r} (of {len(missing)} missing): swap the "
+                "average into the model it was built on, or one of the same architecture"
+            )
+        params = [_local(named_params[n]) for n in self._names]
+        buffers = [_local(named_buffers[n]) for n in self._buffer_names]
+        for name, t, s in zip((*self._names, *self._buffer_names), (*params, *buffers),
+                              (*self.shadow, *self.buffers), strict=True):  # fmt: skip
+            if t.shape != s.shape:
+                raise ValueError(
+                    f"{name!r} is {tuple(t.shape)} in the model but {tuple(s.shape)} in the "
+                    "average: swap it into a model of the same architecture (and sharding)"
+                )
+        return params, buffers
+
+    def named_shadow(self) -> dict[str, torch.Tensor]:
+        """The average by parameter name (fp32; an FSDP2 rank's shard of each)."""
+        return dict(zip(self._names, self.shadow, strict=True))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The average, the buffers' copies and the counters (tensors shared, not copied).
+
+        Under FSDP2 each average is a DTensor laid out as its parameter (this rank's shard):
+        ``torch.distributed.checkpoint.save({"ema": ema.state_dict()}, ...)`` saves the
+        shards, and ``.full_tensor()`` gathers one."""
+        return {
+            "shadow": {
+                n: _as_param(p, s)
+                for n, p, s in zip(self._names, self._params, self.shadow, strict=True)
+            },
+            "buffers": dict(zip(self._buffer_names, self.buffers, strict=True)),
+            "updates": self.updates,
+            "seen": self.seen,
+            "decay": self.decay,
+            "every": self.every,
+        }
+
+    def check_state_dict(self, state: object) -> None:
+        """Raise ``CheckpointError`` saying why ``state`` does not fit; changes nothing."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError(
+                f"damaged checkpoint: the ema's state is a {type(state).__name__}"
+            )
+        for key in ("shadow", "buffers", "updates", "seen", "decay", "every"):
+            if key not in state:
+                raise CheckpointError(f"incomplete checkpoint: the ema's {key!r} is missing")
+        for key in ("updates", "seen"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"damaged checkpoint: the ema's {key!r} is {value!r}")
+        if state["every"] != self.every or state["decay"] != self.decay:
+            raise CheckpointError(
+                f"the ema was saved with decay={state['decay']!r}, every={state['every']!r} but "
+                f"this run's has decay={self.decay!r}, every={self.every!r}: build it as when "
+                "saving"
+            )
+        for label, saved, names, mine in (
+            ("parameter", state["shadow"], self._names, self.shadow),
+            ("buffer", state["buffers"], self._buffer_names, self.buffers),
+        ):
+            if not isinstance(saved, Mapping) or sorted(saved) != sorted(names):
+                raise CheckpointError(
+                    f"the ema's saved {label}s are not this model's: build the ema on the "
+                    "model it was saved with (the same trainable parameters)"
+                )
+            for name, t in zip(names, mine, strict=True):
+                got = saved[name]
+                if not isinstance(got, torch.Tensor) or _local(got).shape != t.shape:
+                    raise CheckpointError(
+                        f"the ema's saved {label} {name!r} does not fit this model's "
+                        f"{tuple(t.shape)}"
+                    )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (checked first: a misfit changes nothing)."""
+        self.check_state_dict(state)
+        with torch.no_grad():
+            for t, n in zip(self.shadow, self._names, strict=True):
+                t.copy_(_local(state["shadow"][n]))
+            for t, n in zip(self.buffers, self._buffer_names, strict=True):
+                t.copy_(state["buffers"][n])
+        self.updates, self.seen = int(state["updates"]), int(state["seen"])
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of the state that later updates cannot change (a Checkpointer's undo)."""
+        state = self.state_dict()
+        state["shadow"] = {n: t.detach().clone() for n, t in state["shadow"].items()}
+        state["buffers"] = {n: t.detach().clone() for n, t in state["buffers"].items()}
+        return state
+
+    def restore(self, snapshot: Mapping[str, Any]) -> None:
+        """Put back what ``snapshot`` took."""
+        self.load_state_dict(snapshot)
+
+    def __repr__(self) -> str:
+        return (
+            f"loopkit.ema(decay={self.decay}, every={self.every}, warmup={self.warmup}, "
+            f"{len(self.shadow)} tensors, {self.updates} updates)"
+        )

@@ -1,0 +1,297 @@
+"""loopkit.ema: an fp32 average, updated once per real optimizer update, checked against the
+float64 closed form; swapped() restores bit for bit; it resumes with the Checkpointer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import batches, loss_fn, mlp
+from torch import nn
+
+import loopkit
+from loopkit._ema._decay import decay_at
+
+
+def _bn_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 1))
+
+
+def _closed_form(
+    start: list[torch.Tensor], after_updates: list[list[torch.Tensor]], decays: list[float]
+) -> list[torch.Tensor]:
+    """The average in float64: s <- d s + (1 - d) p, once per recorded update."""
+    shadow = [t.double() for t in start]
+    for params, d in zip(after_updates, decays, strict=True):
+        shadow = [d * s + (1 - d) * p.double() for s, p in zip(shadow, params, strict=True)]
+    return shadow
+
+
+def _train(
+    model: nn.Module,
+    average: loopkit.ema,
+    sizes: list[int],
+    *,
+    accumulate: int = 4,
+    precision: str = "fp32",
+    poison: Callable[[int], bool] = lambda i: False,
+) -> tuple[loopkit.step, list[list[torch.Tensor]]]:
+    """Train with ema=; the trainable parameters after each real update."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = loopkit.step(model, opt, accumulate=accumulate, precision=precision, ema=average)
+    after: list[list[torch.Tensor]] = []
+    for i, batch in enumerate(step.iterate(batches(sizes))):
+        with step as s:
+            loss = loss_fn(model, batch)
+            s.backward(loss * float("inf") if poison(i) else loss)
+        if step.updated:
+            after.append([p.detach().clone() for p in model.parameters()])
+    return step, after
+
+
+def test_decay_follows_timm_model_ema_v3() -> None:
+    """Without warm-up the decay is constant; with it the first update copies (0) and the
+    k-th is min(decay, 1 - (1 + (k - 1)/gamma)^-power), as timm's ModelEmaV3."""
+    assert [decay_at(k, 0.999, False, 1.0, 2 / 3) for k in (1, 2, 50)] == [0.999] * 3
+    assert decay_at(1, 0.999, True, 1.0, 2 / 3) == 0.0
+    assert decay_at(2, 0.999, True, 1.0, 2 / 3) == pytest.approx(1 - 2 ** (-2 / 3))
+    assert decay_at(11, 0.999, True, 2.0, 1.0) == pytest.approx(1 - 1 / 6)
+    assert decay_at(10**9, 0.999, True, 1.0, 2 / 3) == 0.999
+
+
+def test_ten_batches_in_windows_of_four_give_three_updates_of_the_closed_form() -> None:
+    """10 batches, accumulate=4, the ragged tail: 3 averages (none per micro-step), equal to
+    the float64 closed form within 1e-6 (warm-up on); BatchNorm statistics copied, not
+    averaged."""
+    model = _bn_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    average = loopkit.ema(model, decay=0.99, warmup=True)
+    step, after = _train(model, average, [6] * 10)
+    assert step.updates == average.updates == average.seen == len(after) == 3
+    decays = [decay_at(k, 0.99, True, 1.0, 2 / 3) for k in (1, 2, 3)]
+    for got, want in zip(average.shadow, _closed_form(start, after, decays), strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    for copied, live in zip(average.buffers, model.buffers(), strict=True):
+        assert torch.equal(copied, live)  # the last update's statistics, as they are
+
+
+@pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
+def test_an_fp16_skipped_window_neither_averages_nor_advances_the_warm_up() -> None:
+    """fp16 on the CPU with an inf loss in the second window: that update is skipped, the
+    average counts only the real ones, and the warm-up's next decay is the 2nd, not the 3rd."""
+    model = mlp()
+    start = [p.detach().clone() for p in model.parameters()]
+    average = loopkit.ema(model, decay=0.99, warmup=True)
+    step, after = _train(model, average, [4] * 12, precision="fp16", poison=lambda i: i == 5)
+    assert (step.updates, step.skipped) == (2, 1)
+    assert average.updates == average.seen == 2
+    decays = [decay_at(k, 0.99, True, 1.0, 2 / 3) for k in (1, 2)]
+    for got, want in zip(average.shadow, _closed_form(start, after, decays), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+def test_a_bf16_model_keeps_an_fp32_average_that_moves() -> None:
+    """bf16 weights at 1.0 that train to 0.5, decay 0.9999, 1000 updates: the fp32 average
+    moves 0.048 as the float64 closed form does (1e-5); a bf16 copy averaged the same way
+    (AveragedModel deep-copies the model in its dtype) does not move at all."""
+    param = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    model = nn.Module()
+    model.w = param
+    average = loopkit.ema(model, decay=0.9999)
+    low = param.detach().clone()
+    want = torch.ones(64, dtype=torch.float64)
+    with torch.no_grad():
+        param.fill_(0.5)
+    for _ in range(1000):
+        average.update()
+        low.lerp_(param.detach(), 1 - 0.9999)
+        want = 0.9999 * want + 0.0001 * 0.5
+    assert average.shadow[0].dtype == torch.float32
+    torch.testing.assert_close(average.shadow[0].double(), want, rtol=1e-5, atol=0)
+    assert 1 - float(average.shadow[0][0]) == pytest.approx(0.0476, abs=1e-3)
+    assert float(low[0]) == 1.0
+
+
+def test_every_n_averages_on_every_nth_real_update() -> None:
+    """every=2 over 5 updates: 2 averages, at the 2nd and 4th (the closed form of those)."""
+    model = mlp()
+    start = [p.detach().clone() for p in model.parameters()]
+    average = loopkit.ema(model, decay=0.9, every=2)
+    step, after = _train(model, average, [4] * 5, accumulate=1)
+    assert (step.updates, average.seen, average.updates) == (5, 5, 2)
+    want = _closed_form(start, [after[1], after[3]], [0.9, 0.9])
+    for got, w in zip(average.shadow, want, strict=True):
+        torch.testing.assert_close(got.double(), w, rtol=0, atol=1e-6)
+
+
+def test_swapped_puts_the_average_in_and_restores_bit_for_bit_after_an_exception() -> None:
+    """Inside: the model holds the average (its buffers too); after a raise inside, every
+    parameter and buffer is the training one, bit for bit; a model of another shape is
+    refused before anything changes."""
+    model = _bn_model()
+    average = loopkit.ema(model, decay=0.5)
+    _train(model, average, [6] * 8, accumulate=2)
+    training = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ZeroDivisionError), average.swapped() as inside:
+        assert inside is model
+        for p, s in zip(model.parameters(), average.shadow, strict=True):
+            assert torch.equal(p, s)
+        model(torch.randn(4, 8))  # BatchNorm in train mode writes its statistics
+        raise ZeroDivisionError
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, training[k]), k
+    with pytest.raises(ValueError, match="same architecture"), average.swapped(mlp()):
+        pass
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, training[k]), k
+
+
+def test_swapped_around_evaluate_inside_a_cadence_measures_the_average() -> None:
+    """cadence + swapped + evaluate: the metric of a copy holding the average, exactly; the
+    training weights come back."""
+    model = mlp()
+    average = loopkit.ema(model, decay=0.8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2, ema=average)
+    every = loopkit.cadence(step, updates=2)
+    held_out = batches([5, 7])
+
+    def mse(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"mse": (m(b[0]) - b[1]).pow(2).mean(dim=1)}
+
+    seen = []
+    for batch in step.iterate(batches([4] * 8)):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+        if every.due():
+            training = [p.detach().clone() for p in model.parameters()]
+            with average.swapped():
+                seen.append(loopkit.evaluate(model, held_out, mse)["mse"])
+            assert all(torch.equal(p, t) for p, t in zip(model.parameters(), training, strict=True))
+            copy = mlp()
+            with torch.no_grad():
+                for p, s in zip(copy.parameters(), average.shadow, strict=True):
+                    p.copy_(s)
+            assert seen[-1] == loopkit.evaluate(copy, held_out, mse)["mse"]
+    assert len(seen) == 2 and seen[0] != seen[1]
+
+
+def test_standalone_update_and_the_refusals() -> None:
+    """ema.update() after optimizer.step() in a hand loop; owned by a step, update() is
+    refused, and so are a second owner, another model's ema and bad settings (nothing
+    changed by a refusal)."""
+    model = mlp()
+    average = loopkit.ema(model, decay=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, batches([4])[0]).backward()
+    opt.step()
+    assert average.update() and average.updates == 1
+    want = _closed_form(start, [[p.detach() for p in model.parameters()]], [0.9])
+    for got, w in zip(average.shadow, want, strict=True):
+        torch.testing.assert_close(got.double(), w, rtol=0, atol=1e-7)
+    step = loopkit.step(model, opt, ema=average)
+    with pytest.raises(RuntimeError, match=r"remove the ema\.update"):
+        average.update()
+    assert average.updates == 1 and step.updates == 0
+    with pytest.raises(ValueError, match="already updated by another"):
+        loopkit.step(model, opt, ema=average)
+    other = mlp(seed=1)
+    with pytest.raises(ValueError, match="does not update"):
+        loopkit.step(model, opt, ema=loopkit.ema(other))
+    with pytest.raises(TypeError, match=r"loopkit\.ema"):
+        loopkit.step(model, opt, ema=object())  # type: ignore[arg-type]
+    for bad, kind in (({"decay": 1.0}, ValueError), ({"decay": -0.1}, ValueError),
+                      ({"every": 0}, ValueError), ({"warmup": 1}, TypeError),
+                      ({"warmup_power": 0.0}, ValueError)):  # fmt: skip
+        with pytest.raises(kind):
+            loopkit.ema(model, **bad)  # type: ignore[arg-type]
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        loopkit.ema(frozen)
+
+
+def test_a_gan_generator_member_keeps_its_own_average() -> None:
+    """In a loopkit.steps group the generator's ema averages once per generator update."""
+    d, g = nn.Linear(4, 1), nn.Linear(3, 4)
+    average = loopkit.ema(g, decay=0.9)
+    d_step = loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), accumulate=2)
+    g_step = loopkit.step(g, torch.optim.SGD(g.parameters(), lr=0.1), accumulate=2,
+                          frozen=[d], ema=average)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 4, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(5)]
+    for real, z in loopkit.steps(d_step, g_step).iterate(data):
+        with d_step as s:
+            s.backward(d(g(z).detach()).mean() - d(real).mean())
+        with g_step as s:
+            s.backward(-d(g(z)).mean())
+    assert g_step.updates == average.updates == 3
+    assert not torch.equal(average.shadow[0], g.weight)
+
+
+def _run(tmp: Path, updates: int | None, resume: bool, extra: bool) -> tuple[Any, ...]:
+    """2 epochs, accumulate=2, until saving where it stops; the ema with the step (or under
+    extra=, updated by hand)."""
+    torch.manual_seed(0)
+    model = _bn_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    average = loopkit.ema(model, decay=0.9, warmup=True)
+    step = loopkit.step(model, opt, accumulate=2, ema=None if extra else average)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+    loader = loopkit.distributed.loader(data, batch_size=6, seed=0, num_workers=0)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader,
+                                extra={"ema": average} if extra else None)  # fmt: skip
+    stop = loopkit.until(step, max_epochs=2, max_updates=updates, checkpointer=ckpt)
+    if resume:
+        ckpt.resume()
+    for _ in stop.epochs(loader):
+        for batch in step.iterate(loader):
+            with step as s:
+                s.backward(loss_fn(model, batch))
+            if extra and step.updated:
+                average.update()
+            if stop.check():
+                break
+    return average, model
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["step-ema", "extra-ema"])
+def test_a_resume_is_bit_identical_with_the_average(tmp_path: Path, extra: bool) -> None:
+    """Stopped after 3 updates and resumed in fresh objects: the average, its counters and
+    the weights equal the uninterrupted run's bit for bit (the ema saved with the step, or
+    under extra= when updated by hand)."""
+    whole, whole_model = _run(tmp_path / "a", None, False, extra)
+    _run(tmp_path / "b", 3, False, extra)
+    resumed, resumed_model = _run(tmp_path / "b", None, True, extra)
+    assert (resumed.updates, resumed.seen) == (whole.updates, whole.seen) == (8, 8)
+    for a, b in zip(whole.shadow + whole.buffers, resumed.shadow + resumed.buffers, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(whole_model.state_dict().values(), resumed_model.state_dict().values(),
+                    strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_that_does_not_fit_the_ema_changes_nothing(tmp_path: Path) -> None:
+    """Saved without an ema, resumed with one (and the other way), or another decay: a
+    CheckpointError before anything is loaded."""
+    _run(tmp_path, 2, False, extra=False)
+    model = _bn_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = loopkit.step(model, opt, accumulate=2)
+    with pytest.raises(loopkit.CheckpointError, match="holds the step's ema"):
+        loopkit.Checkpointer(tmp_path, model=model, optimizer=opt, step=step).resume()
+    other = loopkit.ema(model, decay=0.5, warmup=True)
+    step = loopkit.step(model, opt, accumulate=2, ema=other)
+    with pytest.raises(loopkit.CheckpointError, match="decay="):
+        loopkit.Checkpointer(tmp_path, model=model, optimizer=opt, step=step).resume()
+    assert other.updates == 0 and step.updates == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(loopkit.CheckpointError, match="decay="):
+        other.load_state_dict(_run(tmp_path / "c", 1, False, extra=False)[0].state_dict())
+    assert other.updates == 0
