@@ -17,7 +17,8 @@ resuming is exact there too, and with another --workers than the run started wit
 Loop control: the run is validated --val-per-epoch times per epoch (loopkit.evaluate: every
 validation sample counted once, whatever the number of processes); --patience N stops it
 when the validation loss has not improved N times in a row; --max-time stops it after that
-much training time (all runs of it together). A SIGTERM (what a preempting scheduler sends)
+much training time (all runs of it together). --ema 0.99 keeps an fp32 moving average of the
+weights (saved in the checkpoints, validated in place of the training weights). A SIGTERM (what a preempting scheduler sends)
 to any process makes every process stop at the same update, save there and exit 0:
 
     torchrun --nproc-per-node 2 examples/train_resumable.py --dir runs/pre --slow 0.05 &
@@ -27,6 +28,7 @@ to any process makes every process stop at the same update, save there and exit 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 from typing import Any
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-time", help='stop after this training time ("HH:MM:SS")')
     parser.add_argument("--check-every", type=int, default=2, help="updates between checks")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per batch (a demo knob)")
+    parser.add_argument("--ema", type=float, help="keep an EMA of the weights at this decay")
     args = parser.parse_args(argv)
 
     with distributed.setup():
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         model = distributed.wrap(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
+        # An fp32 average of the weights, updated after each real update, saved with the step.
+        average = loopkit.ema(model, decay=args.ema, warmup=True) if args.ema else None
         step = loopkit.step(
             model,
             optimizer,
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             clip_grad_norm=1.0,
             scheduler=scheduler,
             skip_nonfinite=args.precision != "fp16",
+            ema=average,
         )
         ckpt = loopkit.Checkpointer(
             args.dir,
@@ -156,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
                         x, y = batch
                         s.backward(nn.functional.mse_loss(model(x), y))
                 if validate.due():  # the same updates on every rank, never mid-window
-                    metrics = loopkit.evaluate(model, val_loader, squared_error, step=step)
+                    # With --ema the average is validated; the training weights come back.
+                    with average.swapped() if average else contextlib.nullcontext():
+                        metrics = loopkit.evaluate(model, val_loader, squared_error, step=step)
                     if distributed.is_rank_zero():
                         print(f"update {step.updates}: validation loss {metrics['loss']:.5f}")
                     if early is not None:
@@ -172,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
             return
         if args.out and distributed.is_rank_zero():
             inner = getattr(model, "module", model)
-            torch.save({k: v.detach().clone() for k, v in inner.state_dict().items()}, args.out)
+            final = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+            if average is not None:
+                final |= {f"ema.{k}": v.clone() for k, v in average.named_shadow().items()}
+            torch.save(final, args.out)
         say(f"finished at update {step.updates} ({stop.reason})")
 
 

@@ -145,3 +145,16 @@ def test_accelerate_port_benchmark_quick_measures_what_the_guide_quotes() -> Non
     resumed = rows["kill -9 mid-window then resume"]
     assert resumed["loopkit"] == 1
     assert rows["time per micro-step (accelerate = 1)"]["loopkit"] > 0
+
+
+def test_ema_cost_quick_counts_one_foreach_op_per_update() -> None:
+    """ema_cost.py --quick: loopkit.ema dispatches 1 op per update on fp32 weights (2 on
+    bf16, into an fp32 average) where the hand-written loop dispatches 3 per tensor."""
+    rows = _json("benchmarks/ema_cost.py", "--quick")
+    by = {(r["dtype"], r["contender"]): r for r in rows}
+    for dtype, ops in (("float32", 1), ("bfloat16", 2)):
+        mine, hand = by[(dtype, "loopkit.ema")], by[(dtype, "hand-written loop")]
+        assert mine["ops_per_update"] == ops and mine["average_dtype"] == "float32"
+        assert hand["ops_per_update"] == 3 * hand["tensors"]
+        assert hand["average_dtype"] == by[(dtype, "AveragedModel")]["average_dtype"] == dtype
+        assert by[(dtype, "loopkit.step(ema=) in training")]["update_us"] > 0

@@ -192,12 +192,12 @@ class Checkpointer:
         if acc is None:
             raise RuntimeError("maybe_save needs step= (to count updates); call save() instead")
         updates = acc.updates
-        if (
-            not updates
-            or acc.micro_step
-            or updates % every
-            or updates in (self.last_saved_update, self._deferred.update)
-        ):
+        # Saved already: this update, unless a window skipped since (inf/nan) changed the
+        # state without changing the count (its counters, the GradScaler, the data's place).
+        saved = updates == self.last_saved_update and self._saved_windows == self._windows_closed()
+        if not updates or acc.micro_step or updates % every or saved:
+            return None
+        if updates == self._deferred.update:
             return None
         if self.ends_pass():
             # The epoch's code after its last window has not run yet: a checkpoint now would

@@ -772,18 +772,25 @@ def test_ddp_ranks_that_see_different_checkpoints_all_refuse(tmp_path: Path) -> 
 def test_save_if_needed_saves_a_window_skipped_since_the_last_save(
     tmp_path: Path, every: int
 ) -> None:
-    """A skipped update leaves the count but changes the state: the final save holds it."""
+    """A skipped update leaves the count but changes the state (skip counters, the data's
+    place): maybe_save (so a stop's save) writes that update's checkpoint again, holding
+    the skip (a resume at update 1 then a skip then a stop used to keep the older one);
+    save_if_needed then has nothing new to save."""
     torch.manual_seed(0)
     net = nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     step = loopkit.step(net, opt, accumulate=every, skip_nonfinite=True)
     ckpt = loopkit.Checkpointer(tmp_path, model=net, optimizer=opt, step=step)
+    written = []
     for scale in [1.0] * every + [float("inf")] * every:  # update 1, then a skipped window
         with step as s:
             s.backward(net(torch.randn(2, 3)).pow(2).mean() * scale)
-        ckpt.maybe_save(every=1)
+        written.append(ckpt.maybe_save(every=1))
     assert (step.updates, step.skipped) == (1, 1)
-    assert ckpt.save_if_needed() is not None
+    assert [w is not None for w in written] == [False] * (every - 1) + [True] + [False] * (
+        every - 1
+    ) + [True]
+    assert [p.name for p in ckpt.checkpoints()] == ["ckpt-0000000001.pt"]
     saved = torch.load(ckpt.checkpoints()[-1], weights_only=True)
     assert saved["step"]["accumulate"]["skipped"] == 1
-    assert ckpt.save_if_needed() is None  # nothing new since
+    assert ckpt.maybe_save(every=1) is None and ckpt.save_if_needed() is None  # nothing new

@@ -149,10 +149,14 @@ def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_path: Path) -> None:
-    """Killed 10 times (3 of them mid-save) and resumed each time: the uninterrupted weights."""
-    cmd = [sys.executable, *EXAMPLE, "--epochs", "6", "--precision", precision]
+    """Killed 10 times (3 of them mid-save) and resumed each time: the uninterrupted weights.
+
+    bf16 runs with an EMA of the weights (validated through swapped()): the average too."""
+    ema = ["--ema", "0.99"] if precision == "bf16" else []
+    cmd = [sys.executable, *EXAMPLE, "--epochs", "6", "--precision", precision, *ema]
     ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, f"kills-{precision}")
     assert _bit_equal(ref, final)
+    assert any(k.startswith("ema.") for k in final) == bool(ema)
 
 
 @pytest.mark.filterwarnings("ignore:fp16 autocast on a CPU")
@@ -171,8 +175,9 @@ def test_random_augmentation_resumes_bit_identically_whatever_the_workers(tmp_pa
 
 
 def test_random_augmentation_under_torchrun_resumes_bit_identically(tmp_path: Path) -> None:
-    """Two ranks (DistributedSampler shards), augmenting data, 1 worker each: the same."""
+    """Two ranks (DistributedSampler shards), augmenting data, 1 worker each, an EMA under
+    DDP: the same weights and average."""
     cmd = [*TORCHRUN, *EXAMPLE, "--epochs", "12", "--precision", "bf16", "--augment",
-           "--workers", "1"]  # fmt: skip
+           "--workers", "1", "--ema", "0.99"]  # fmt: skip
     ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-torchrun")
     assert _bit_equal(ref, final)

@@ -124,7 +124,8 @@ def test_a_legacy_loop_counts_its_checks() -> None:
 
 
 def _train(directory: Path, signal_at: tuple[int, int] | None) -> dict[str, Any]:
-    """3 epochs of 10 batches, windows of 3, dropout, a per-epoch scheduler, a Checkpointer.
+    """3 epochs of 10 batches, windows of 3, dropout, a per-epoch scheduler, an EMA of the
+    weights (saved with the step), a Checkpointer.
 
     ``signal_at=(epoch, batch)``: SIGTERM to this process after that batch.
     """
@@ -132,7 +133,8 @@ def _train(directory: Path, signal_at: tuple[int, int] | None) -> dict[str, Any]
     model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.2), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    step = loopkit.step(model, opt, accumulate=3)
+    average = loopkit.ema(model, decay=0.8, warmup=True)
+    step = loopkit.step(model, opt, accumulate=3, ema=average)
     data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
     loader = distributed.loader(data, batch_size=2, num_workers=0, seed=3)
     ckpt = loopkit.Checkpointer(directory, model=model, optimizer=opt, scheduler=sched,
@@ -150,6 +152,7 @@ def _train(directory: Path, signal_at: tuple[int, int] | None) -> dict[str, Any]
         sched.step()  # the epoch's own code after its last window
     return {
         "weights": [p.detach().clone() for p in model.parameters()],
+        "ema": [t.clone() for t in average.shadow] + [average.updates],
         "reason": stop.reason,
         "updates": step.updates,
         "saved": [p.name for p in ckpt.checkpoints()],
@@ -165,7 +168,8 @@ def _train(directory: Path, signal_at: tuple[int, int] | None) -> dict[str, Any]
 def test_preempted_and_resumed_run_ends_bit_identical(
     tmp_path: Path, signal_at: tuple[int, int], stopped_at: int
 ) -> None:
-    """One checkpoint at the stop's boundary, and the resumed run ends at the same weights.
+    """One checkpoint at the stop's boundary, and the resumed run ends at the same weights
+    and the same EMA of them, bit for bit.
 
     At an epoch's last window the save waits for the epoch's own code (its scheduler step).
     """
@@ -178,6 +182,9 @@ def test_preempted_and_resumed_run_ends_bit_identical(
     second = _train(tmp_path / "parts", None)
     assert second["reason"] == "max_epochs" and second["updates"] == whole["updates"] == 12
     for a, b in zip(whole["weights"], second["weights"], strict=True):
+        assert torch.equal(a, b)
+    assert whole["ema"][-1] == second["ema"][-1] == 12
+    for a, b in zip(whole["ema"][:-1], second["ema"][:-1], strict=True):
         assert torch.equal(a, b)
     assert whole["lr"] == second["lr"]
 

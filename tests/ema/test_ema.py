@@ -295,3 +295,21 @@ def test_a_checkpoint_that_does_not_fit_the_ema_changes_nothing(tmp_path: Path) 
     with pytest.raises(loopkit.CheckpointError, match="decay="):
         other.load_state_dict(_run(tmp_path / "c", 1, False, extra=False)[0].state_dict())
     assert other.updates == 0
+
+
+def test_one_update_is_one_foreach_kernel_per_dtype() -> None:
+    """Profiled: fp32 weights, one _foreach_lerp_ (plus one _foreach_copy_ for the buffers);
+    mixed bf16/fp32 weights, a lerp for the fp32 ones and a mul and an add for the others."""
+
+    def ops(average: loopkit.ema) -> list[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            average.update()
+        return sorted(e.name for e in prof.events()
+                      if e.name.startswith("aten::") and e.cpu_parent is None)  # fmt: skip
+
+    assert ops(loopkit.ema(mlp())) == ["aten::_foreach_lerp_"]
+    assert ops(loopkit.ema(_bn_model())) == ["aten::_foreach_copy_", "aten::_foreach_lerp_"]
+    mixed = mlp()
+    mixed[2].to(torch.bfloat16)
+    assert ops(loopkit.ema(mixed)) == ["aten::_foreach_add_", "aten::_foreach_lerp_",
+                                       "aten::_foreach_mul_"]  # fmt: skip

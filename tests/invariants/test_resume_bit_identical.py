@@ -5,23 +5,25 @@ of two members (schedulers per member), ``accumulate``, a precision, models with
 python/numpy randomness in the loop, a ``distributed.loader`` (0 or 1 worker, shuffled or
 not, over an augmenting data set or over a ``loopkit.preload`` cache with an augmenting
 ``collate_fn``), ``detach_logging``, ``until`` (``max_epochs``/``max_updates``, a
-``check_every``), ``early_stop`` fed by ``evaluate`` at a ``cadence``, and a Checkpointer
+``check_every``), ``early_stop`` fed by ``evaluate`` at a ``cadence`` (of the members' EMA
+through ``swapped()`` when they keep one), and a Checkpointer
 saving every few updates. The interrupted run stops at a drawn point (SIGUSR1 caught by
 ``until``, a ``max_updates`` stop, or an abrupt crash that drops the objects after the last
 checkpoint), possibly twice; each resume builds fresh objects and calls ``ckpt.resume()``.
 
 Compared bit for bit at the end: every parameter, the optimizers' states, the schedulers'
-states and lr, the counters (updates, skipped, the group's windows), the python/numpy/torch
+states and lr, the EMAs (averages, buffers, counters), the counters (updates, skipped, the group's windows), the python/numpy/torch
 random states, the updates at which the cadence fired, and the newest checkpoint's content
 (the loader's place and generator, every piece) but its save count and wall-clock time.
-A resume whose configuration changed (accumulate, precision, members, schedulers, batch
-size; the loader's seed or shuffle when it stopped mid-pass: at a pass's boundary another
+A resume whose configuration changed (accumulate, precision, members, schedulers, an EMA,
+batch size; the loader's seed or shuffle when it stopped mid-pass: at a pass's boundary another
 order may start) is refused with ``CheckpointError`` before anything loads: every object
 and random state as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -114,12 +116,18 @@ class World:
             else None
             for o in self.opts
         ]
+        # An EMA per member (every= 1 or 2), saved with its step; validated through swapped().
+        ema_every = spec.get("ema")
+        self.averages = [
+            loopkit.ema(m, decay=0.9, warmup=True, every=ema_every) if ema_every else None
+            for m in self.models
+        ]
         self.logged: list[Any] = []
         log = loopkit.detach_logging(every=2, sink=self.logged.append) if spec["log"] else None
         self.steps = [
             loopkit.step(
                 m, o, precision=spec["precision"], accumulate=spec["every"], scheduler=s,
-                log=log if k == 0 else None, skip_nonfinite=True,
+                log=log if k == 0 else None, skip_nonfinite=True, ema=self.averages[k],
             )
             for k, (m, o, s) in enumerate(zip(self.models, self.opts, self.scheds, strict=True))
         ]  # fmt: skip
@@ -194,7 +202,10 @@ class World:
                         os.kill(os.getpid(), signal.SIGUSR1)
                     if self.cadence.due():
                         self.fired.append((self.clock.updates, self.windows()))
-                        metrics = loopkit.evaluate(self.models[0], self.val_loader, squared_error)
+                        average = self.averages[0]
+                        with average.swapped() if average else contextlib.nullcontext():
+                            metrics = loopkit.evaluate(self.models[0], self.val_loader,
+                                                       squared_error)  # fmt: skip
                         if self.early is not None:
                             self.early.observe(metrics)
                     # Saved after the boundary's validation, so that a resume from it does
@@ -248,6 +259,7 @@ class World:
             "lr": [o.param_groups[0]["lr"] for o in self.opts],
             "counters": [(s.updates, s.skipped) for s in self.steps],
             "group": getattr(self.clock, "updates", None),
+            "ema": [a.snapshot() for a in self.averages if a is not None],
             "rng": (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()),
         }
 
@@ -267,6 +279,8 @@ def changed(spec: Spec, change: str | None) -> Spec:
         spec["batch_size"] += 1
     elif change == "scheduler":
         spec["scheduler"] = not spec["scheduler"]
+    elif change == "ema":
+        spec["ema"] = None if spec.get("ema") else 1
     return spec
 
 
@@ -321,6 +335,7 @@ def runs(draw: Any) -> Spec:
         "workers": draw(st.sampled_from([0, 0, 0, 1])),
         "source": draw(st.sampled_from(["tensors", "tensors", "preload"])),
         "scheduler": draw(st.booleans()),
+        "ema": draw(st.sampled_from([None, 1, 2])),
         "log": draw(st.booleans()),
         "early_stop": draw(st.none() | st.integers(1, 2)),
         "cadence": (cadence, value),
@@ -380,7 +395,8 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(spec: Spec) ->
         assert not problems, "; ".join(problems[:6])
 
 
-CHANGES = ["accumulate", "precision", "seed", "shuffle", "batch_size", "members", "scheduler"]
+CHANGES = ["accumulate", "precision", "seed", "shuffle", "batch_size", "members", "scheduler",
+           "ema"]  # fmt: skip
 
 
 @prop(ci=40, shrink=False)
