@@ -18,8 +18,9 @@ Loop control: the run is validated --val-per-epoch times per epoch (loopkit.eval
 validation sample counted once, whatever the number of processes); --patience N stops it
 when the validation loss has not improved N times in a row; --max-time stops it after that
 much training time (all runs of it together). --ema 0.99 keeps an fp32 moving average of the
-weights (saved in the checkpoints, validated in place of the training weights). A SIGTERM (what a preempting scheduler sends)
-to any process makes every process stop at the same update, save there and exit 0:
+weights (saved in the checkpoints, validated in place of the training weights). A SIGTERM
+(what a preempting scheduler sends) to any process makes every process stop at the same
+update, save there and exit 0:
 
     torchrun --nproc-per-node 2 examples/train_resumable.py --dir runs/pre --slow 0.05 &
     kill -TERM <one worker's pid>     # then run the same command again: it resumes

@@ -12,14 +12,13 @@ saving every few updates. The interrupted run stops at a drawn point (SIGUSR1 ca
 checkpoint), possibly twice; each resume builds fresh objects and calls ``ckpt.resume()``.
 
 Compared bit for bit at the end: every parameter, the optimizers' states, the schedulers'
-states and lr, the EMAs (averages, buffers, counters), the counters (updates, skipped, the group's windows), the python/numpy/torch
-random states, the updates at which the cadence fired, and the newest checkpoint's content
-(the loader's place and generator, every piece) but its save count and wall-clock time.
-A resume whose configuration changed (accumulate, precision, members, schedulers, an EMA,
-batch size; the loader's seed or shuffle when it stopped mid-pass: at a pass's boundary another
-order may start) is refused with ``CheckpointError`` before anything loads: every object
-and random state as it was.
-"""
+states and lr, the EMAs (averages, buffers, counters), the counters (updates, skipped, the
+group's windows), the python/numpy/torch random states, the updates at which the cadence
+fired, and the newest checkpoint's content (the loader's place and generator, every piece)
+but its save count and wall-clock time. A resume whose configuration changed (accumulate,
+precision, members, schedulers, an EMA, batch size; the loader's seed or shuffle when it
+stopped mid-pass: at a pass's boundary another order may start) is refused with
+``CheckpointError`` before anything loads: every object and random state as it was. """
 
 from __future__ import annotations
 
