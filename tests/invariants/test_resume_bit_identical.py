@@ -18,7 +18,7 @@ fired, and the newest checkpoint's content (the loader's place and generator, ev
 but its save count and wall-clock time. A resume whose configuration changed (accumulate,
 precision, members, schedulers, an EMA, batch size; the loader's seed or shuffle when it
 stopped mid-pass: at a pass's boundary another order may start) is refused with
-``CheckpointError`` before anything loads: every object and random state as it was. """
+``CheckpointError`` before anything loads: every object and random state as it was."""
 
 from __future__ import annotations
 
