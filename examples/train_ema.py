@@ -30,7 +30,7 @@ def noisy_regression(n: int, seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
-def squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+def squared_error(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
     x, y = batch
     return {"loss": (model(x).float() - y).pow(2).mean(dim=1)}
 
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 if validate.due():
                     raw = loopkit.evaluate(model, val_loader, squared_error, step=step)["loss"]
                     with average.swapped():  # the average in the model, then the weights back
-                        smooth = loopkit.evaluate(model, val_loader, squared_error, step=step)["loss"]
+                        ema_eval = loopkit.evaluate(model, val_loader, squared_error, step=step)
+                    smooth = ema_eval["loss"]
                     last = {"weights": raw, "ema": smooth}
                     if distributed.is_rank_zero():
                         print(f"update {step.updates:4d}: validation loss {raw:.4f}, "
