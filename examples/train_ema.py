@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     with distributed.setup():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1)).to(torch.bfloat16)
+        model: nn.Module = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+        model = model.to(torch.bfloat16)
         model = distributed.wrap(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
         average = loopkit.ema(model, decay=args.decay, warmup=True)  # fp32 beside bf16
