@@ -31,6 +31,11 @@ def _opt(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _ema_swapped_elsewhere() -> None:
+    with loopkit.ema(mlp()).swapped(nn.Linear(2, 2)):
+        pass
+
+
 def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     m = mlp()
     return m, _opt(m)
@@ -325,6 +330,12 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("probe smallest too large", lambda t: _probe_too_small(), ValueError, "smallest must be"),
     ("step micro_batch zero", lambda t: loopkit.step(*_model_opt(), micro_batch=0), ValueError,
      "micro_batch= must be an int >= 1"),
+    ("ema decay of one", lambda t: loopkit.ema(mlp(), decay=1.0), ValueError,
+     "decay must be a number in [0, 1)"),
+    ("ema of another model", lambda t: loopkit.step(*_model_opt(), ema=loopkit.ema(mlp(1))),
+     ValueError, "does not update: build the ema on the model"),
+    ("ema swapped into another model", lambda t: _ema_swapped_elsewhere(), ValueError,
+     "same architecture"),
     ("tracker config changed", lambda t: _tracker_config_changed(t), ValueError, "logged once"),
     ("tracker resumed after a write", lambda t: _tracker_resumed_late(t), RuntimeError,
      "before the first log flush"),
@@ -682,6 +693,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
     }
     words = {
         "probe_micro_batch": "probe",
+        "ema": "ema",
         "scale_lr": "scale_lr",
         "CSVSink": "tracker",
         "WandbSink": "tracker",
