@@ -96,6 +96,29 @@ def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert len(resumed) == 6 and resumed == [None] * 6  # three blocks resume, in each run
 
 
+def _benchmarks_only(script: str) -> bool:
+    """Whether every command of ``script`` is a ``python benchmarks/<x>.py --quick ...``."""
+    lines = [ln.split("#")[0].strip() for ln in script.splitlines()]
+    return all(re.fullmatch(r"python benchmarks/\w+\.py --quick.*", ln) for ln in lines if ln)
+
+
+def test_the_benchmark_commands_of_the_docs_are_run_by_the_benchmark_tests() -> None:
+    """Each ``python benchmarks/x.py --quick <flags>`` line of the docs is run, with those
+    flags, by tests/test_benchmarks.py (so the docs' shell test need not run it again)."""
+    tested = (ROOT / "tests" / "test_benchmarks.py").read_text()
+    blocks = [b for p in CHAIN + ALONE for lang, b in _blocks(p) if lang == "bash"]
+    found = 0
+    for block in filter(_benchmarks_only, blocks):
+        for line in block.splitlines():
+            words = line.split("#")[0].split()[1:]
+            if not words:
+                continue
+            found += 1
+            call = ", ".join(f'"{w}"' for w in words)
+            assert call in tested, f"{line.strip()} is not run by tests/test_benchmarks.py"
+    assert found >= 4
+
+
 def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean() -> None:
     """The bash blocks (multi-process launches) run from the repository root as a second run
     would, over the files a first run left (stale ones here): each file is written anew and
@@ -103,6 +126,8 @@ def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean
     twice would show the same at twice the cost: a minute of CI.)"""
     scripts = [b for p in CHAIN + ALONE for lang, b in _blocks(p) if lang == "bash"]
     scripts = [s for s in scripts if not s.startswith("python -m venv")]
+    # The benchmarks' quick runs are run by tests/test_benchmarks.py (with --json): not twice.
+    scripts = [s for s in scripts if not _benchmarks_only(s)]
     assert scripts
     env = dict(
         os.environ,
