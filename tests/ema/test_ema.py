@@ -313,3 +313,24 @@ def test_one_update_is_one_foreach_kernel_per_dtype() -> None:
     mixed[2].to(torch.bfloat16)
     assert ops(loopkit.ema(mixed)) == ["aten::_foreach_add_", "aten::_foreach_lerp_",
                                        "aten::_foreach_mul_"]  # fmt: skip
+
+
+def test_accumulate_alone_takes_an_ema_too() -> None:
+    """loopkit.accumulate(..., ema=) in a legacy loop: 5 micro-batches in windows of 2 and a
+    flushed tail make 3 averages, the closed form of the weights after each update."""
+    model = mlp()
+    start = [p.detach().clone() for p in model.parameters()]
+    average = loopkit.ema(model, decay=0.7)
+    acc = loopkit.accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2,
+                             ema=average)  # fmt: skip
+    after = []
+    for batch in batches([3, 3, 3, 3, 3]):
+        with acc:
+            acc.backward(loss_fn(model, batch))
+        if acc.updated:
+            after.append([p.detach().clone() for p in model.parameters()])
+    assert acc.flush()
+    after.append([p.detach().clone() for p in model.parameters()])
+    assert acc.updates == average.updates == 3
+    for got, want in zip(average.shadow, _closed_form(start, after, [0.7] * 3), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
