@@ -87,6 +87,7 @@ class ema:
                 "the model has no trainable parameters (requires_grad=True) to average"
             )
         self.model = model
+        self._module = module
         self.decay, self.every, self.warmup = float(decay), int(every), warmup
         self.warmup_gamma, self.warmup_power = float(warmup_gamma), float(warmup_power)
         self._names = [n for n, _ in named]
@@ -117,6 +118,7 @@ class ema:
 
     def advance(self) -> bool:
         """One real optimizer update happened (what the owning step calls)."""
+        self._check_model()
         self.seen += 1
         if self.seen % self.every:
             return False
@@ -125,6 +127,21 @@ class ema:
         self._average(1.0 - d)
         self.updates += 1
         return True
+
+    def _check_model(self) -> None:
+        """Refuse to average tensors the model no longer trains (checked on one: O(1))."""
+        first = self._params[0]
+        if self._module.get_parameter(self._names[0]) is not first:
+            raise RuntimeError(
+                "the model's parameters were replaced after its ema was built (a to() that "
+                "makes new ones, load_state_dict(assign=True)): build the ema afterwards"
+            )
+        here, kept = _local(first).device, self.shadow[0].device
+        if here != kept:
+            raise RuntimeError(
+                f"the model is on {here} but its ema was built on {kept}: build the ema "
+                "after moving the model (model.to(device), then loopkit.ema(model))"
+            )
 
     @torch.no_grad()
     def _average(self, weight: float) -> None:

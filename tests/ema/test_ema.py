@@ -211,6 +211,12 @@ def test_standalone_update_and_the_refusals() -> None:
                       ({"warmup_power": 0.0}, ValueError)):  # fmt: skip
         with pytest.raises(kind):
             loopkit.ema(model, **bad)  # type: ignore[arg-type]
+    moved = mlp()
+    stale = loopkit.ema(moved)
+    moved.to("meta")  # new parameter objects: the ema's would never change again
+    with pytest.raises(RuntimeError, match="replaced after its ema was built"):
+        stale.update()
+    assert stale.seen == 0
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         loopkit.ema(frozen)
