@@ -36,7 +36,7 @@ _WHERE: dict[str, str] = {
     "step": "_step._compose",
     "steps": "_step._group",
     "scale_lr": "_step._lr_scale",
-    "probe_micro_batch": "_step._micro_batch",
+    "probe_micro_batch": "_step._probe",
     "ema": "_ema._average",
     "until": "_control._until",
     "early_stop": "_control._early_stop",
@@ -118,7 +118,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._step._compose import step as step
     from ._step._group import steps as steps
     from ._step._lr_scale import scale_lr as scale_lr
-    from ._step._micro_batch import probe_micro_batch as probe_micro_batch
+    from ._step._probe import probe_micro_batch as probe_micro_batch
     from ._types import DeviceLike as DeviceLike
     from ._types import Precision as Precision
     from ._types import Scheduler as Scheduler

@@ -328,6 +328,9 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("scale_lr bad batch", lambda t: loopkit.scale_lr(_opt(mlp()), from_batch=0, to_batch=8),
      ValueError, "from_batch must be an int >= 1"),
     ("probe smallest too large", lambda t: _probe_too_small(), ValueError, "smallest must be"),
+    ("probe two peaks on a cpu", lambda t: loopkit.probe_micro_batch(
+        mlp(), _opt(mlp()), lambda m, b: m(b).mean(), torch.ones(4, 8), search="two_peaks"),
+     ValueError, "use search='halving'"),
     ("step micro_batch zero", lambda t: loopkit.step(*_model_opt(), micro_batch=0), ValueError,
      "micro_batch= must be an int >= 1"),
     ("ema decay of one", lambda t: loopkit.ema(mlp(), decay=1.0), ValueError,

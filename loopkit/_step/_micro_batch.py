@@ -6,23 +6,16 @@ share of its batch (``weight=`` when the user gives none), and windows still end
 every ``accumulate``-th batch (and at the pass's end), so the update is the one the whole
 batches would have made: the ragged split 128 -> 48, 48, 32 included.
 
-``probe_micro_batch`` finds the largest ``m`` that fits: the worst case (the whole batch,
-forward, backward and an optimizer step, so optimizer state counts) is tried at halving
-sizes until no out-of-memory error is raised, and every trial is taken back (weights,
-optimizer state, RNGs, gradients). Under DDP every rank probes alone (no gradient sync) and
-all ranks take the smallest size any of them found.
+``probe_micro_batch`` (``_probe``) finds the largest ``m`` that fits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
-import random
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +23,6 @@ from .. import _ranks
 from .._checks import is_int_at_least
 from .._parallel import _grad_sync
 from .._parallel._grad_sync import no_sync
-from . import _misuse
 
 T = TypeVar("T")
 
@@ -244,100 +236,3 @@ def recovered(step: Any, exc: BaseException | None) -> bool:
     memory.clear_device_cache(garbage_collection=True)
     state.size, state.redo = max(1, state.size // 2), True
     return True
-
-
-# -- finding the size --------------------------------------------------------------------
-
-
-def probe_micro_batch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    batch: Any,
-    *,
-    smallest: int = 1,
-) -> int:
-    """The largest micro-batch (halving from the batch's size) whose forward, backward and
-    optimizer step run without an out-of-memory error; agreed across ranks (the minimum).
-
-    ``loss_fn(model, batch)`` returns the batch's mean loss. Every trial is taken back: the
-    weights, the optimizer's state, the RNGs, and the gradients (cleared). Only an
-    out-of-memory error (as ``accelerate.utils.memory`` recognizes on every backend) means
-    "too big"; any other exception propagates unchanged.
-    """
-    # accelerate's cross-backend out-of-memory test and cache release (CUDA, XPU, NPU, MPS).
-    memory: Any = importlib.import_module("accelerate.utils.memory")
-
-    size = leading_size(batch)
-    if size < 1:
-        raise ValueError("probe_micro_batch needs a batch with a leading batch dimension")
-    if not is_int_at_least(smallest, 1) or smallest > size:
-        raise ValueError(f"smallest must be an int in 1..{size}, got {smallest!r}")
-    saved = _Saved(model, optimizer)
-    fits = 0
-    m = size
-    try:
-        while m >= smallest:
-            try:
-                _trial(model, optimizer, loss_fn, take(batch, 0, m, size))
-            except Exception as err:
-                if not memory.should_reduce_batch_size(err):
-                    raise
-                memory.clear_device_cache(garbage_collection=True)
-                m //= 2
-            else:
-                fits = m
-                break
-            finally:
-                saved.restore()
-    finally:
-        saved.restore()
-    # The smallest over the ranks (one all-reduce; every rank calls it, OOM or not).
-    agreed = int(-_ranks.max_values([-float(fits)])[0])
-    if agreed < smallest:
-        raise RuntimeError(
-            f"no micro-batch of {smallest} or more samples fits (on at least one rank): "
-            "lower the memory (precision='bf16', loopkit.checkpointed(...)) or the model"
-        )
-    return agreed
-
-
-def _trial(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    batch: Any,
-) -> None:
-    """Forward, backward and an optimizer step, with no gradient sync to other ranks."""
-    _misuse.STEPPING.add(id(optimizer))  # a step that owns it lets this one through
-    try:
-        with no_sync(model):
-            loss: Any = loss_fn(model, batch)
-            loss.backward()
-        optimizer.step()
-    finally:
-        _misuse.STEPPING.discard(id(optimizer))
-
-
-class _Saved:
-    """Weights, optimizer state and RNGs as they stood: put back after each trial."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.optim = copy.deepcopy(optimizer.state_dict())
-        self.torch_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.py_rng, self.np_rng = random.getstate(), np.random.get_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                v.copy_(self.weights[k])
-        self.optimizer.load_state_dict(copy.deepcopy(self.optim))
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(self.torch_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
-        np.random.set_state(self.np_rng)
