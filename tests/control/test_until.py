@@ -277,7 +277,8 @@ def test_a_failed_loop_puts_the_handlers_back_without_saving(tmp_path: Path) -> 
 # -- 2 processes: SIGTERM sent from outside to one worker of a training run ------------------
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-EXAMPLE = ["examples/train_resumable.py", "--save-every", "3", "--check-every", "2"]
+EXAMPLE = ["examples/train_resumable.py", "--save-every", "3", "--check-every", "2", "--ema",
+           "0.9"]  # fmt: skip
 
 
 def _worker_of_rank(torchrun_pid: int, rank: int) -> int:
@@ -301,7 +302,8 @@ def test_sigterm_to_rank_1_only_stops_both_saves_once_exits_0_and_resumes_exactl
     """examples/train_resumable.py under torchrun; SIGTERM to the rank-1 process alone.
 
     Both ranks stop at the same update, the newest checkpoint is at that update, torchrun
-    exits 0; run again, it resumes and ends at an uninterrupted run's weights, bit for bit.
+    exits 0; run again, it resumes and ends at an uninterrupted run's weights and EMA of
+    them (validated through swapped()), bit for bit.
     """
     from helpers import launch_env
 
@@ -340,6 +342,7 @@ def test_sigterm_to_rank_1_only_stops_both_saves_once_exits_0_and_resumes_exactl
     assert f"resumed from ckpt-{update:010d}.pt at update {update}" in resumed.stdout
     a, b = torch.load(whole, weights_only=True), torch.load(parts, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.startswith("ema.") for k in a)
 
 
 def test_a_run_resumed_past_max_time_stops_at_its_first_boundary(tmp_path: Path) -> None:
