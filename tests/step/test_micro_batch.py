@@ -156,21 +156,22 @@ class SeqModel(nn.Module):
         return self.net(x.mean(1))
 
 
-def _seq_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of 16 sequences of length 4, one of length 8 (a long batch) in the middle."""
+def _seq_data(lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of 16 sequences of the given lengths (8: a long batch)."""
     g = torch.Generator().manual_seed(3)
-    lengths = [4, 4, 8, 4, 4]
     return [(torch.randn(16, n, 8, generator=g), torch.randn(16, 1, generator=g)) for n in lengths]
 
 
-def _seq_train(micro_batch: int | None) -> tuple[list[torch.Tensor], loopkit.step]:
+def _seq_train(micro_batch: int | None, lengths: list[int] | None = None,
+               accumulate: int = 2) -> tuple[list[torch.Tensor], loopkit.step]:  # fmt: skip
+    """AdamW on sequences of length 4, by default with a long batch (8) opening window 2."""
     torch.manual_seed(0)
     model = SeqModel()
     if micro_batch is None:
         model.forward = lambda x: model.net(x.mean(1))  # type: ignore[method-assign]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
-    for x, y in step.iterate(_seq_data()):
+    step = loopkit.step(model, opt, accumulate=accumulate, micro_batch=micro_batch)
+    for x, y in step.iterate(_seq_data(lengths or [4, 4, 8, 4, 4])):
         with step as s:
             s.backward(nn.functional.mse_loss(model(x), y))
     return params(model), step
@@ -184,6 +185,84 @@ def test_an_out_of_memory_error_in_training_redoes_the_window_in_smaller_chunks(
     assert b.chunks.size == 8 and a.updates == b.updates == 3
     assert b.seen.samples == a.seen.samples == 80  # the redone window is counted once
     for p, q in zip(whole, split, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+class ExactLinear(nn.Module):
+    """A linear map of the sequence mean with weights in {-1, 0, 1}; out of memory when chunk x
+    length > ``area``. Trained on data in {-1, 0, 1} with a loss linear in the output, every
+    gradient is a short dyadic sum that float32 holds exactly, in any order of addition."""
+
+    def __init__(self, area: int | None = None) -> None:
+        super().__init__()
+        self.lin, self.area = nn.Linear(8, 1), area
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.lin.parameters():
+                p.copy_(torch.randint(-1, 2, p.shape, generator=g).to(p.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.area is not None and x.shape[0] * x.shape[1] > self.area:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return self.lin(x.mean(1))
+
+
+def _exact_train(
+    micro_batch: int | None,
+    lengths: list[int],
+    area: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[torch.Tensor], loopkit.step]:
+    """Batches of 16 sequences, accumulate=4 (a power of two: its 1/4 is exact), SGD lr 1/8."""
+    model = ExactLinear(area).to(dtype)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.125), accumulate=4,
+                        micro_batch=micro_batch)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(-1, 2, (16, n, 8), generator=g).to(dtype),
+             torch.randint(-2, 3, (16, 1), generator=g).to(dtype)) for n in lengths]  # fmt: skip
+    for x, y in step.iterate(data):
+        with step as s:
+            s.backward((model(x) * y).mean())
+    return params(model), step
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p.to(q.dtype), q) for p, q in zip(a, b, strict=True))
+
+
+def test_a_power_of_two_split_is_bit_identical_where_float32_adds_exactly() -> None:
+    """Even, power-of-two splits (16 -> 8+8, 4x4, 8x2, 16x1) leave the weights after 3 updates
+    bit-identical to whole batches when every sum is exact (the float32 run equals a float64
+    one): loopkit's shares and scaling add no rounding of their own. A chunk of 6 is not
+    bit-identical (its mean divides by 6), which shows the check sees a single rounding. On
+    general data the batch sum's association differs (~6e-8), as for any split of a matmul."""
+    lengths = [1, 2] * 6
+    whole, a = _exact_train(None, lengths)
+    assert a.updates == 3 and _same(whole, _exact_train(None, lengths, dtype=torch.float64)[0])
+    for micro_batch in (8, 4, 2, 1):
+        assert _same(whole, _exact_train(micro_batch, lengths)[0]), micro_batch
+    assert not _same(whole, _exact_train(6, lengths)[0])
+
+
+@pytest.mark.parametrize("at", [0, 1, 3])
+def test_an_out_of_memory_redo_at_the_first_middle_or_last_micro_step_is_exact(at: int) -> None:
+    """The window's micro-step ``at`` (of 4) is a long batch that runs out of memory: the
+    window is redone in chunks of 8, bit-identical to whole batches where float32 adds
+    exactly, and within 1e-6 on general data (SeqModel, AdamW)."""
+    lengths = [1] * 12
+    lengths[4 + at] = 2
+    whole, a = _exact_train(None, lengths)
+    redone, b = _exact_train(16, lengths, area=16)
+    assert b.chunks.size == 8 and a.updates == b.updates == 3
+    assert a.seen.samples == b.seen.samples == 192
+    assert _same(whole, _exact_train(None, lengths, dtype=torch.float64)[0])
+    assert _same(whole, redone)
+    seq = [4] * 12
+    seq[4 + at] = 8
+    general, _ = _seq_train(None, seq, accumulate=4)
+    split, c = _seq_train(16, seq, accumulate=4)
+    assert c.chunks.size == 8
+    for p, q in zip(general, split, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
