@@ -31,6 +31,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 # A save every 2 updates: enough saves to kill 10 times after one; the payload makes saves
 # slow enough (tens of ms with fsync) to be caught in the middle.
 EXAMPLE = ["examples/train_resumable.py", "--save-every", "2", "--payload-mb", "16"]
+# 96 updates: each kill lets a run train on for up to 0.15 s after a save, ~7 updates on a
+# fast machine, so 10 kills must not reach the end (at 48 updates one CI run did: 46 at kill 9).
+EPOCHS = ["--epochs", "12"]
 
 
 def _names(directory: Path) -> set[str]:
@@ -153,7 +156,7 @@ def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_
 
     bf16 runs with an EMA of the weights (validated through swapped()): the average too."""
     ema = ["--ema", "0.99"] if precision == "bf16" else []
-    cmd = [sys.executable, *EXAMPLE, "--epochs", "6", "--precision", precision, *ema]
+    cmd = [sys.executable, *EXAMPLE, *EPOCHS, "--precision", precision, *ema]
     ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, f"kills-{precision}")
     assert _bit_equal(ref, final)
     assert any(k.startswith("ema.") for k in final) == bool(ema)
@@ -163,7 +166,7 @@ def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_
 def test_random_augmentation_resumes_bit_identically_whatever_the_workers(tmp_path: Path) -> None:
     """fp16, weight= valid tokens, checkpointed dropout blocks, a data set that draws from
     random, numpy and torch; each restart switches between 0 and 2 loader workers."""
-    cmd = [sys.executable, *EXAMPLE, "--epochs", "6", "--precision", "fp16", "--augment",
+    cmd = [sys.executable, *EXAMPLE, *EPOCHS, "--precision", "fp16", "--augment",
            "--checkpointed"]  # fmt: skip
 
     def command(kill: int) -> list[str]:
@@ -177,7 +180,7 @@ def test_random_augmentation_resumes_bit_identically_whatever_the_workers(tmp_pa
 def test_random_augmentation_under_torchrun_resumes_bit_identically(tmp_path: Path) -> None:
     """Two ranks (DistributedSampler shards), augmenting data, 1 worker each, an EMA under
     DDP: the same weights and average."""
-    cmd = [*TORCHRUN, *EXAMPLE, "--epochs", "12", "--precision", "bf16", "--augment",
+    cmd = [*TORCHRUN, *EXAMPLE, *EPOCHS, "--precision", "bf16", "--augment",
            "--workers", "1", "--ema", "0.99"]  # fmt: skip
     ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-torchrun")
     assert _bit_equal(ref, final)
