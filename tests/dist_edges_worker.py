@@ -369,6 +369,20 @@ def _flat_of(*models: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for m in models for p in m.parameters()])
 
 
+def _against_one_process(ddp_g: Any, ddp_d: Any, per_rank: list[list[Any]]) -> dict[str, Any]:
+    """Whether the ranks' GAN weights agree, and their distance from one process trained by
+    ``_gan_loop`` on the global batches (each rank's batch side by side)."""
+    G_ref, D_ref = _gan_models()
+    glob = [tuple(torch.cat([batches[k][i] for batches in per_rank]) for i in range(2))
+            for k in range(len(per_rank[0]))]  # fmt: skip
+    _gan_loop(G_ref, D_ref, glob, lambda when: None)
+    got = _flat_of(ddp_g.module, ddp_d.module)
+    return {
+        "same": all(torch.equal(x, replicas(got)[0]) for x in replicas(got)),
+        "diff": (got - _flat_of(G_ref, D_ref)).abs().max().item(),
+    }
+
+
 @scenario
 def gan_one_all_reduce_per_model_per_window(info: distributed.DistInfo) -> dict[str, Any]:
     """DDP GAN: one all-reduce round per model per window, none of D during G's step."""
@@ -396,19 +410,12 @@ def gan_one_all_reduce_per_model_per_window(info: distributed.DistInfo) -> dict[
         seen["per_batch"].append((len(calls_d), len(calls_g)))
 
     d_step, g_step = _gan_loop(ddp_g, ddp_d, per_rank[info.rank], between)
-    # One process on the global batches (each rank's micro-batch side by side).
-    G_ref, D_ref = _gan_models()
-    glob = [(torch.cat([per_rank[r][k][0] for r in range(2)]),
-             torch.cat([per_rank[r][k][1] for r in range(2)])) for k in range(6)]  # fmt: skip
-    _gan_loop(G_ref, D_ref, glob, lambda when: None)
-    got = _flat_of(ddp_g.module, ddp_d.module)
     return {
         "updates": (d_step.updates, g_step.updates),
         "per_batch": seen["per_batch"],
         "d_grad_kept": seen["d_grad_kept"],
         "d_calls_in_g": seen["d_calls_in_g"],
-        "same": all(torch.equal(x, replicas(got)[0]) for x in replicas(got)),
-        "diff": (got - _flat_of(G_ref, D_ref)).abs().max().item(),
+        **_against_one_process(ddp_g, ddp_d, per_rank),
     }
 
 
@@ -435,16 +442,10 @@ def gan_in_micro_batches(info: distributed.DistInfo) -> dict[str, Any]:
         for _, noise in g_step.split(batch):
             with g_step as s:
                 s.backward(bce(ddp_d(ddp_g(noise)), torch.ones(len(noise), 1)))
-    G_ref, D_ref = _gan_models()
-    glob = [(torch.cat([per_rank[r][k][0] for r in range(2)]),
-             torch.cat([per_rank[r][k][1] for r in range(2)])) for k in range(6)]  # fmt: skip
-    _gan_loop(G_ref, D_ref, glob, lambda when: None)
-    got = _flat_of(ddp_g.module, ddp_d.module)
     return {
         "updates": (d_step.updates, g_step.updates),
         "calls": (len(calls_d), len(calls_g)),
-        "same": all(torch.equal(x, replicas(got)[0]) for x in replicas(got)),
-        "diff": (got - _flat_of(G_ref, D_ref)).abs().max().item(),
+        **_against_one_process(ddp_g, ddp_d, per_rank),
     }
 
 

@@ -283,8 +283,10 @@ class StepState(UserState):
                 "has none (or the Checkpointer saves it under amp=): build it as when saving"
             )
         check_precision(state.get("precision"), self.precision, self.who)
-        self._check_scheduler(state)
-        self._check_ema(state)
+        self._check_owned(state, "scheduler", self.scheduler, "scheduler=/extra=")
+        self._check_owned(state, "ema", self.ema, "extra=")
+        if self.ema is not None:
+            self.ema.check_state_dict(state["ema"])
         every = need(counters, "every", int, "the step's 'every'")
         if every != self.accumulator.every:
             raise CheckpointError(
@@ -296,34 +298,22 @@ class StepState(UserState):
             if need(counters, key, int, f"the step's {key!r}") < 0:
                 raise CheckpointError(f"damaged checkpoint: the step's {key!r} is negative")
 
-    def _check_scheduler(self, state: Mapping[str, object]) -> None:
-        if self.scheduler is not None and "scheduler" not in state:
+    def _check_owned(self, state: Mapping[str, object], key: str, piece: object,
+                     elsewhere: str) -> None:  # fmt: skip
+        """Refuse a checkpoint that has the step's ``key`` (scheduler, ema) where this run's
+        step has none, or the other way round; ``elsewhere``: where else it could be saved."""
+        if piece is not None and key not in state:
             raise CheckpointError(
-                f"this run's {self.who} has a scheduler= but the checkpoint holds no state "
-                "for it (saved without one, or under the Checkpointer's scheduler=/extra=): "
+                f"this run's {self.who} is built with {key}= but the checkpoint holds no "
+                f"state for it (saved without one, or under the Checkpointer's {elsewhere}): "
                 "build the step and the Checkpointer as when saving"
             )
-        if self.scheduler is None and "scheduler" in state:
+        if piece is None and key in state:
             raise CheckpointError(
-                f"the checkpoint holds the {self.who}'s scheduler but this run's {self.who} "
-                "has none (or the Checkpointer saves it under scheduler=/extra=): build the "
-                "step and the Checkpointer as when saving"
+                f"the checkpoint holds the {self.who}'s {key} but this run's {self.who} has "
+                f"none (or the Checkpointer saves it under {elsewhere}): build the step and "
+                "the Checkpointer as when saving"
             )
-
-    def _check_ema(self, state: Mapping[str, object]) -> None:
-        if self.ema is not None and "ema" not in state:
-            raise CheckpointError(
-                f"this run's {self.who} has an ema= but the checkpoint holds none (saved "
-                "without one, or under extra=): build the step and the Checkpointer as when "
-                "saving"
-            )
-        if self.ema is None and "ema" in state:
-            raise CheckpointError(
-                f"the checkpoint holds the {self.who}'s ema but this run's {self.who} has "
-                "none (or the Checkpointer saves it under extra=): build it with the same ema="
-            )
-        if self.ema is not None:
-            self.ema.check_state_dict(state["ema"])
 
     def snapshot(self) -> object:
         return copied(self.state_dict())

@@ -21,8 +21,7 @@ from torch import nn
 
 from .. import _ranks
 from .._checks import is_int_at_least
-from .._parallel import _grad_sync
-from .._parallel._grad_sync import no_sync
+from .._parallel._grad_sync import no_sync, sync_kind
 
 T = TypeVar("T")
 
@@ -170,7 +169,7 @@ def split(step: Any, batch: T) -> Iterator[T]:
         raise RuntimeError("step.split(batch) inside `with step:`: loop over it around `with`")
     ends = acc._final_pending
     parts = [(batch, 1.0)] if state.size is None else chunks(batch, state.size)
-    ddp = _grad_sync.sync_kind(step.model) == "ddp"
+    ddp = sync_kind(step.model) == "ddp"
     state.splitting = True
     try:
         for j, (part, share) in enumerate(parts, start=1):

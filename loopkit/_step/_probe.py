@@ -15,16 +15,16 @@ from __future__ import annotations
 import copy
 import importlib
 import math
-import random
 from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
 from .. import _ranks
+from .._checkpoint import _rng
 from .._checks import is_int_at_least
+from .._devices import model_device
 from .._parallel._grad_sync import no_sync
 from . import _misuse
 from ._micro_batch import leading_size, take
@@ -63,7 +63,7 @@ def probe_micro_batch(
         raise ValueError(f"smallest must be an int in 1..{size}, got {smallest!r}")
     if search not in ("halving", "two_peaks"):
         raise ValueError(f"search must be 'halving' or 'two_peaks', got {search!r}")
-    device = _device_of(model)
+    device = model_device(model) or torch.device("cpu")
     if search == "two_peaks" and device.type != "cuda":
         raise ValueError(
             f"search='two_peaks' measures peak memory with torch.cuda, but the model is on "
@@ -163,12 +163,6 @@ def capacity_bytes(device: torch.device) -> float:
     return float(free + torch.cuda.memory_allocated(device))
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _trial(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: Any) -> None:
     """Forward, backward and an optimizer step, with no gradient sync to other ranks."""
     _misuse.STEPPING.add(id(optimizer))  # a step that owns it lets this one through
@@ -188,9 +182,7 @@ class _Saved:
         self.model, self.optimizer = model, optimizer
         self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.optim = copy.deepcopy(optimizer.state_dict())
-        self.torch_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.py_rng, self.np_rng = random.getstate(), np.random.get_state()
+        self.rng = _rng.capture()
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -198,8 +190,4 @@ class _Saved:
                 v.copy_(self.weights[k])
         self.optimizer.load_state_dict(copy.deepcopy(self.optim))
         self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(self.torch_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
-        np.random.set_state(self.np_rng)
+        _rng.put_back(self.rng)

@@ -119,7 +119,7 @@ class UpdateRule:
         amp: autocast_step | None,
         clip_grad_norm: float | None,
         scheduler: Any,
-        ema: Any = None,
+        ema: _average.ema | None = None,
         skip_nonfinite: bool,
         max_consecutive_skips: int | None,
         kind: SyncKind,

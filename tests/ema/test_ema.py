@@ -223,21 +223,27 @@ def test_standalone_update_and_the_refusals() -> None:
 
 
 def test_a_gan_generator_member_keeps_its_own_average() -> None:
-    """In a loopkit.steps group the generator's ema averages once per generator update."""
+    """In a loopkit.steps group the generator's ema averages once per generator update, the
+    float64 closed form of the generator's weights after each (the critic's none of it)."""
     d, g = nn.Linear(4, 1), nn.Linear(3, 4)
+    start = [p.detach().clone() for p in g.parameters()]
     average = loopkit.ema(g, decay=0.9)
     d_step = loopkit.step(d, torch.optim.SGD(d.parameters(), lr=0.1), accumulate=2)
     g_step = loopkit.step(g, torch.optim.SGD(g.parameters(), lr=0.1), accumulate=2,
                           frozen=[d], ema=average)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, 4, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(5)]
+    after: list[list[torch.Tensor]] = []
     for real, z in loopkit.steps(d_step, g_step).iterate(data):
         with d_step as s:
             s.backward(d(g(z).detach()).mean() - d(real).mean())
         with g_step as s:
             s.backward(-d(g(z)).mean())
-    assert g_step.updates == average.updates == 3
-    assert not torch.equal(average.shadow[0], g.weight)
+        if g_step.updated:
+            after.append([p.detach().clone() for p in g.parameters()])
+    assert g_step.updates == average.updates == len(after) == 3
+    for got, want in zip(average.shadow, _closed_form(start, after, [0.9] * 3), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
 def _run(tmp: Path, updates: int | None, resume: bool, extra: bool) -> tuple[Any, ...]:
@@ -297,6 +303,13 @@ def test_a_checkpoint_that_does_not_fit_the_ema_changes_nothing(tmp_path: Path) 
     with pytest.raises(loopkit.CheckpointError, match="decay="):
         loopkit.Checkpointer(tmp_path, model=model, optimizer=opt, step=step).resume()
     assert other.updates == 0 and step.updates == 0
+    _run(tmp_path / "by_hand", 2, False, extra=True)  # the ema saved under extra=, not the step's
+    owned = loopkit.ema(model, decay=0.9, warmup=True)
+    step = loopkit.step(model, opt, accumulate=2, ema=owned)
+    no_ema = "built with ema= but the checkpoint holds no"
+    with pytest.raises(loopkit.CheckpointError, match=no_ema):
+        loopkit.Checkpointer(tmp_path / "by_hand", model=model, optimizer=opt, step=step).resume()
+    assert owned.updates == 0 and step.updates == 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(loopkit.CheckpointError, match="decay="):
         other.load_state_dict(_run(tmp_path / "c", 1, False, extra=False)[0].state_dict())

@@ -43,7 +43,7 @@ def test_the_line_through_two_peaks_meets_the_capacity() -> None:
 
 def _simulated(monkeypatch: pytest.MonkeyPatch, capacity: float) -> None:
     """The model "on CUDA", with peaks and a capacity read from the simulated memory."""
-    monkeypatch.setattr(_probe, "_device_of", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(_probe, "model_device", lambda model: torch.device("cuda"))
     monkeypatch.setattr(_probe, "capacity_bytes", lambda device: capacity)
 
     def peak(fits: object, m: int, device: torch.device) -> float | None:
