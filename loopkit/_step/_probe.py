@@ -15,14 +15,15 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import random
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
 from .. import _ranks
-from .._checkpoint import _rng
 from .._checks import is_int_at_least
 from .._devices import model_device
 from .._parallel._grad_sync import no_sync
@@ -182,7 +183,10 @@ class _Saved:
         self.model, self.optimizer = model, optimizer
         self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.optim = copy.deepcopy(optimizer.state_dict())
-        self.rng = _rng.capture()
+        # By hand, not the Checkpointer's RNG capture: _step must not import _checkpoint.
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.py_rng, self.np_rng = random.getstate(), np.random.get_state()
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -190,4 +194,8 @@ class _Saved:
                 v.copy_(self.weights[k])
         self.optimizer.load_state_dict(copy.deepcopy(self.optim))
         self.optimizer.zero_grad(set_to_none=True)
-        _rng.put_back(self.rng)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
