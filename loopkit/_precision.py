@@ -13,6 +13,7 @@ import torch
 from . import _ranks
 from ._devices import default_device
 from ._sync_points import expected_sync
+from ._tracing import EagerUnderCompile
 from ._types import DeviceLike, Precision, PrecisionLike
 
 _PRECISIONS: dict[object, Precision] = {
@@ -127,7 +128,7 @@ def mark_found_inf(
         flag.copy_(torch.maximum(flag, bad.to(flag.device, flag.dtype)))
 
 
-class autocast_step(contextlib.ContextDecorator):
+class autocast_step(EagerUnderCompile, contextlib.ContextDecorator):
     """Mixed precision as a context manager or decorator; fp16 also owns a GradScaler.
 
     ``with amp:`` (or ``@amp``) runs the forward under ``torch.autocast`` for the device;
@@ -219,7 +220,7 @@ class autocast_step(contextlib.ContextDecorator):
 
     # -- the forward region -------------------------------------------------------------
 
-    def __enter__(self) -> autocast_step:
+    def _enter(self) -> autocast_step:
         ac = self._autocast
         if ac is not None:
             # The prebuilt autocast object is reused (cheaper than building one per step);
@@ -231,7 +232,7 @@ class autocast_step(contextlib.ContextDecorator):
             self._active.append(ac)
         return self
 
-    def __exit__(
+    def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,

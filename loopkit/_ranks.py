@@ -164,3 +164,26 @@ def wait_posts(keys: list[str], poll_s: float = 1.0) -> list[str]:
         time.sleep(delay)
         delay = min(delay * 1.5, poll_s)
     return [bytes(store.get(k)).decode() for k in full]
+
+
+def done_reading(keys: list[str], counter: str, readers: int, poll_s: float = 0.1) -> None:
+    """Once every one of ``readers`` ranks has read ``keys`` for the last time, delete them.
+
+    Each rank counts itself in ``counter`` (an atomic add): the one that makes the count
+    ``readers`` knows every other is past reading and deletes the keys, the counter last;
+    the others return once the counter is gone, so on return the store no longer holds
+    them, on any rank (it would otherwise keep one set per call for the rest of the job).
+    """
+    if not is_multi_rank():
+        return
+    store = _store()
+    count = f"loopkit/{counter}"
+    if store.add(count, 1) == readers:
+        for key in keys:
+            store.delete_key(f"loopkit/{key}")
+        store.delete_key(count)
+        return
+    delay = 0.005
+    while store.check([count]):  # the last reader is a poll behind at most
+        time.sleep(delay)
+        delay = min(delay * 1.5, poll_s)

@@ -251,6 +251,53 @@ def evaluate_with_rank_zero_buffers(info: distributed.DistInfo) -> dict[str, Any
     return out
 
 
+class Centered(nn.Module):
+    """A float64 linear layer minus a running mean of its outputs kept out of checkpoints
+    (a buffer registered with persistent=False), and a step counter beside it (int64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(3, 2).double()
+        self.register_buffer("center", torch.zeros(2, dtype=torch.float64), persistent=False)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        if self.training:
+            with torch.no_grad():
+                self.center.lerp_(out.mean(0), 0.5)
+                self.seen.add_(1)
+        return out - self.center
+
+
+@scenario
+def evaluate_with_rank_zero_non_persistent_buffers(info: distributed.DistInfo) -> dict[str, Any]:
+    """Non-persistent buffers trained apart on each rank: evaluated as rank 0's, then each
+    rank's own back."""
+    model = Centered()
+    g = torch.Generator().manual_seed(20 + info.rank)  # each rank its own statistics
+    with torch.no_grad():
+        for _ in range(3 + info.rank):
+            model(torch.randn(5, 3, generator=g, dtype=torch.float64))
+    before = _buffers(model)
+    val = distributed.loader(seven_samples(), batch_size=2, shuffle=False, num_workers=0)
+    with counted_collectives() as counts:
+        result = loopkit.evaluate(model, val, per_sample)
+    return {
+        "sums": result.sums,
+        "samples": result.samples,
+        "buffers": dict(model.named_buffers()),
+        "weights": model.state_dict(),
+        "buffers_kept": all(
+            torch.equal(a, b) and a.dtype == b.dtype
+            for a, b in zip(before, _buffers(model), strict=True)
+        ),
+        "training": model.training,
+        "collectives": counts,
+    }
+
+
 def _epoch_end_run(info: distributed.DistInfo, directory: Path, kind: str,
                    signal_at: int | None) -> dict[str, Any]:  # fmt: skip
     """2 epochs of 3 batches per rank; a per-epoch scheduler step; SIGTERM to rank 1 only.

@@ -291,6 +291,36 @@ def logging_rank0_only(info: distributed.DistInfo) -> dict[str, Any]:
 
 
 @scenario
+def logging_interval_resume(info: distributed.DistInfo) -> dict[str, Any]:
+    """A log's state saved one call into an interval of 3, loaded into a new log: every rank
+    resumes its own unflushed value (sync_ranks=True and False); the uninterrupted run's flushes."""
+    import io
+
+    out: dict[str, Any] = {}
+    values = [torch.tensor(float(10 * info.rank + i)) for i in range(6)]
+    for sync in (True, False):
+        whole: list[dict[str, float]] = []
+        log = loopkit.detach_logging(every=3, sink=whole.append, sync_ranks=sync)
+        for v in values:
+            log(x=v)
+        part = loopkit.detach_logging(every=3, sink=[].append, sync_ranks=sync)
+        for v in values[:4]:
+            part(x=v)
+        buffer = io.BytesIO()
+        torch.save(part.state_dict(), buffer)  # every rank: the state gathers every interval
+        written = [buffer.getvalue()]  # rank 0 writes the file, every rank reads it
+        dist.broadcast_object_list(written, src=0)
+        resumed: list[dict[str, float]] = []
+        again = loopkit.detach_logging(every=3, sink=resumed.append, sync_ranks=sync)
+        saved = torch.load(io.BytesIO(written[0]), map_location="cpu", weights_only=True)
+        again.load_state_dict(saved)
+        for v in values[4:]:
+            again(x=v)
+        out[str(sync)] = {"whole": whole, "resumed": resumed}
+    return out
+
+
+@scenario
 def checkpointed_blocks(info: distributed.DistInfo) -> dict[str, Any]:
     """Checkpointed blocks under DDP train to the same weights as plain blocks."""
     results = []

@@ -128,6 +128,17 @@ def test_logging_conflicting_reductions_raise_on_every_rank(results: Any) -> Non
         assert r["kept"] == 1 and r["step"] == 1
 
 
+def test_logging_resumes_each_ranks_unflushed_values(results: Any) -> None:
+    """A state saved mid-interval holds every rank's values: each rank resumes its own, so
+    the next flush is the uninterrupted one (rank 1 holding rank 0's value would differ)."""
+    rank0, rank1 = results["logging_interval_resume"]
+    assert rank0["True"]["whole"] == [{"x": 6.0}, {"x": 9.0}]  # means over both ranks
+    assert rank0["True"]["resumed"] == [{"x": 9.0}] and rank1["True"]["resumed"] == []
+    for rank, r in enumerate((rank0, rank1)):
+        assert r["False"]["whole"] == [{"x": 10.0 * rank + 1}, {"x": 10.0 * rank + 4}]
+        assert r["False"]["resumed"] == r["False"]["whole"][1:]
+
+
 def test_logging_on_rank0_only_makes_no_collective(results: Any) -> None:
     """Default sync_ranks: rank-0-only logging is local, rank 1 trains on, nothing hangs."""
     rank0, rank1 = results["logging_rank0_only"]

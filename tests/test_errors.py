@@ -31,6 +31,12 @@ def _opt(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _same_ema_twice() -> None:
+    model, opt = _model_opt()
+    average = loopkit.ema(model)
+    loopkit.step(model, opt, ema=[average, average])
+
+
 def _ema_swapped_elsewhere() -> None:
     with loopkit.ema(mlp()).swapped(nn.Linear(2, 2)):
         pass
@@ -46,10 +52,17 @@ def _probe_too_small() -> None:
     loopkit.probe_micro_batch(m, _opt(m), lambda m, b: m(b).sum(), torch.ones(4, 8), smallest=8)
 
 
-def _scale_one_cycle() -> None:
+class _OwnRates:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        """Sets rates of its own."""
+
+
+def _scale_own_rates() -> None:
     o = _opt(mlp())
-    loopkit.scale_lr(o, torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=4),
-                     from_batch=8, to_batch=16)  # fmt: skip
+    loopkit.scale_lr(o, _OwnRates(o), from_batch=8, to_batch=16)
 
 
 def _tracker_config_changed(tmp: Path) -> None:
@@ -324,7 +337,8 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "amp.backward(loss)",
     ),
     ("autocast step of nothing", lambda t: _amp_step_nothing(), TypeError, "amp.step(optimizer)"),
-    ("scale_lr of a OneCycleLR", lambda t: _scale_one_cycle(), TypeError, "cannot scale a"),
+    ("scale_lr of rates it does not know", lambda t: _scale_own_rates(), TypeError,
+     "cannot scale a"),
     ("scale_lr bad batch", lambda t: loopkit.scale_lr(_opt(mlp()), from_batch=0, to_batch=8),
      ValueError, "from_batch must be an int >= 1"),
     ("probe smallest too large", lambda t: _probe_too_small(), ValueError, "smallest must be"),
@@ -337,6 +351,7 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      "decay must be a number in [0, 1)"),
     ("ema of another model", lambda t: loopkit.step(*_model_opt(), ema=loopkit.ema(mlp(1))),
      ValueError, "does not update: build the ema on the model"),
+    ("the same ema twice", lambda t: _same_ema_twice(), ValueError, "the same ema is given twice"),
     ("ema swapped into another model", lambda t: _ema_swapped_elsewhere(), ValueError,
      "same architecture"),
     ("tracker config changed", lambda t: _tracker_config_changed(t), ValueError, "logged once"),

@@ -56,3 +56,30 @@ def test_mypy_sees_loopkits_types_from_outside_the_checkout(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "optimizer: torch.optim.optimizer.Optimizer" in proc.stdout, proc.stdout
     assert "-> loopkit._step._compose.step" in proc.stdout
+
+
+def test_every_module_loopkit_imports_is_declared() -> None:
+    """Each third-party module loopkit's code imports (accelerate's out-of-memory test and
+    typing_extensions included) is a declared dependency; the trackers and tqdm, imported
+    only when asked for, are extras."""
+    import ast
+
+    declared = {
+        r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+        for r in metadata.requires(DIST) or []
+        if "extra ==" not in r
+    }
+    assert {"torch", "numpy", "accelerate", "typing-extensions"} <= declared
+    found: set[str] = set()
+    for path in (ROOT / "loopkit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+                found.add(str(node.args[0].value).split(".")[0])
+    third_party = {m for m in found if m not in sys.stdlib_module_names and m != "loopkit"}
+    extras = {"wandb", "mlflow", "tensorboard", "tqdm"}  # the sinks' and progress's extras
+    assert {m.replace("_", "-") for m in third_party - extras} <= declared

@@ -14,6 +14,7 @@ Checkpointer. The pieces for loopkit's own objects are in ``_pieces`` and
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -145,6 +146,20 @@ def per_rank(piece: StatePiece) -> bool:
     return bool(getattr(piece, "per_rank", False))
 
 
+def optional(piece: object) -> bool:
+    """Whether a file may lack ``piece``'s entry (a piece loopkit adds by itself)."""
+    return bool(getattr(piece, "optional", False))
+
+
+def warn_missing(name: str) -> None:
+    """Say that an optional piece the file lacks keeps its current state."""
+    warnings.warn(
+        f"the checkpoint holds no {name!r} state (written by a Checkpointer that did not save "
+        f"it): {name} keeps its current state, as it is after it was built",
+        stacklevel=4,
+    )
+
+
 def saved_for(state: Mapping[str, object], name: str, piece: StatePiece) -> object:
     """What ``piece`` loads from ``state``: its entry, or this rank's in a per-rank one."""
     if not per_rank(piece):
@@ -173,6 +188,8 @@ def check_all(
     for name, piece in pieces.items():
         if name in state:
             piece.check_state_dict(saved_for(state, name, piece))
+        elif optional(piece):
+            continue  # added by loopkit where a file from before may lack it: loads without
         elif name in always_saved:
             raise CheckpointError(f"incomplete checkpoint: '{name}' is missing")
         else:
@@ -201,6 +218,9 @@ def load_all(
     try:
         for name in order:
             piece = pieces[name]
+            if name not in state:  # an optional piece the file lacks (checked): left as is
+                warn_missing(name)
+                continue
             # The way back is recorded before the load: a load that fails half-way is undone.
             undo.append((piece, piece.snapshot()))
             piece.load_state_dict(saved_for(state, name, piece))

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._data._epoch_loader import EpochLoader, LoaderSnapshot
 from .._errors import CheckpointError
-from .._parallel._grad_sync import sync_kind, unwrap
+from .._parallel._grad_sync import innermost, plain_key, sync_kind
 from .._precision import autocast_step
 from .._step import _accumulate, _compose, _group
 from .._types import Clock, Stateful
@@ -26,18 +26,20 @@ _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "
 
 
 class ModelState:
-    """The model's weights and buffers, seen through DDP and ``torch.compile`` wrappers."""
+    """The model's weights and buffers under the names of the user's own module: no DDP
+    ``module.`` prefix and no ``torch.compile`` ``_orig_mod.`` at any level, so a checkpoint
+    resumes whatever the wrapping (compiled or not, DDP or one process, in either order)."""
 
     per_rank = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def state_dict(self) -> object:
-        return unwrap(self.model).state_dict()
+    def state_dict(self) -> dict[str, object]:
+        return {plain_key(k): v for k, v in innermost(self.model).state_dict().items()}
 
     def check_state_dict(self, saved: object) -> None:
-        _check_model(unwrap(self.model).state_dict(), expect(saved, Mapping, "'model'"))
+        _check_model(self.state_dict(), _plain_names(expect(saved, Mapping, "'model'"), self))
 
     def snapshot(self) -> None:
         # None: the model loads last, after its keys and shapes were checked, so no load
@@ -45,10 +47,25 @@ class ModelState:
         return None
 
     def load_state_dict(self, saved: Mapping[str, object]) -> None:
-        unwrap(self.model).load_state_dict(saved)
+        plain = _plain_names(saved, self)
+        module = innermost(self.model)
+        module.load_state_dict({k: plain[plain_key(k)] for k in module.state_dict()})
 
     def restore(self, snapshot: None) -> None:
         """Nothing to put back: see ``snapshot``."""
+
+
+def _plain_names(saved: Mapping[str, object], piece: ModelState) -> Mapping[str, object]:
+    """A saved model state by the names ``ModelState`` saves under. Checkpoints written before
+    then carry the wrappers' prefixes: a DDP model's ``module.``, a compiled one's
+    ``_orig_mod.``."""
+    plain = {plain_key(k): v for k, v in saved.items()}
+    here = piece.state_dict()
+    if plain.keys() != here.keys() and plain and all(k.startswith("module.") for k in plain):
+        stripped = {k[len("module.") :]: v for k, v in plain.items()}
+        if stripped.keys() == here.keys():
+            return stripped
+    return plain
 
 
 def _check_model(current: Mapping[str, object], saved: Mapping[str, object]) -> None:
@@ -85,11 +102,15 @@ def param_shapes(optimizer: torch.optim.Optimizer) -> list[list[list[int]]]:
 
 
 class OptimizerState(UserState):
-    """The optimizer's state; a saved one must have this optimizer's groups and sizes."""
+    """The optimizer's state; a saved one must have this optimizer's groups and sizes.
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    ``optional``: the optimizer of ``step=`` saved without ``optimizer=`` (loopkit adds it):
+    a file written before, without it, still loads, leaving the optimizer as it is."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optional: bool = False) -> None:
         super().__init__(optimizer)
         self.optimizer = optimizer
+        self.optional = optional
 
     def check_state_dict(self, saved: object) -> None:
         state = expect(saved, Mapping, "'optimizer'")
@@ -128,8 +149,9 @@ class ParamShapes:
 
     per_rank = False
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, optional: bool = False) -> None:
         self.optimizer = optimizer
+        self.optional = optional
 
     def state_dict(self) -> list[list[list[int]]]:
         return param_shapes(self.optimizer)
@@ -216,7 +238,12 @@ def check_precision(saved: object, here: str | None, who: str) -> None:
 class StepState(UserState):
     """A ``loopkit.step``'s or ``accumulate``'s counters, its GradScaler, precision and own
     scheduler (the one given to the step, unless the Checkpointer saves it under
-    ``scheduler=`` or ``extra=``); an ``accumulate``'s ``amp=`` likewise."""
+    ``scheduler=`` or ``extra=``); an ``accumulate``'s ``amp=`` likewise; a step's own
+    ``log=`` (its cadence, unflushed values and trackers' runs), unless under ``extra=``.
+
+    The log is not training state, so its entry is lenient both ways: a checkpoint without
+    it resumes with the log afresh, and one with it where the step has no log ignores it;
+    a log state for other sinks is refused before anything loads."""
 
     def __init__(
         self,
@@ -227,6 +254,10 @@ class StepState(UserState):
         super().__init__(step)
         self.step, self.who = step, who
         self.accumulator = step.accumulator if isinstance(step, _compose.step) else step
+        log = step.log if isinstance(step, _compose.step) else None
+        # The step's own log (it plots against this step), unless extra= saves it.
+        own_log = log is not None and log.clock is step and id(log) not in elsewhere
+        self.log = log if own_log else None
         self.clock: Clock = self.accumulator
         amp = step.amp if isinstance(step, _compose.step) else self.accumulator.amp
         self.precision = None if amp is None else amp.precision
@@ -247,8 +278,8 @@ class StepState(UserState):
         self.scheduler: Stateful | None = (
             None if scheduler is None or id(scheduler) in elsewhere else scheduler
         )
-        ema = self.accumulator._rule.ema  # the step's ema=, unless saved under extra=
-        self.ema = None if ema is None or id(ema) in elsewhere else ema
+        # The step's ema= (one, or several decays), unless saved under extra=.
+        self.emas = [e for e in self.accumulator._rule.emas if id(e) not in elsewhere]
 
     def _counters(self, saved: Mapping[str, object]) -> Mapping[str, object]:
         if isinstance(self.step, _compose.step):
@@ -258,14 +289,17 @@ class StepState(UserState):
     def owned_state(self) -> dict[str, object]:
         """The precision and what the step owns beyond its counters and GradScaler."""
         state: dict[str, object] = {}
+        if self.log is not None:
+            state["log"] = self.log.state_dict()
         if self.precision is not None:
             state["precision"] = self.precision
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.amp is not None:
             state["amp"] = self.amp.state_dict()
-        if self.ema is not None:
-            state["ema"] = self.ema.state_dict()
+        if self.emas:  # one average saved as itself (as before several were taken)
+            states = [e.state_dict() for e in self.emas]
+            state["ema"] = states[0] if len(states) == 1 else states
         return state
 
     def state_dict(self) -> dict[str, object]:
@@ -283,10 +317,20 @@ class StepState(UserState):
                 "has none (or the Checkpointer saves it under amp=): build it as when saving"
             )
         check_precision(state.get("precision"), self.precision, self.who)
+        if self.log is not None and "log" in state:
+            self.log.check_state_dict(state["log"])  # its sinks: the same as when saving
         self._check_owned(state, "scheduler", self.scheduler, "scheduler=/extra=")
-        self._check_owned(state, "ema", self.ema, "extra=")
-        if self.ema is not None:
-            self.ema.check_state_dict(state["ema"])
+        self._check_owned(state, "ema", self.emas or None, "extra=")
+        if self.emas:
+            saved_emas = _ema_states(state["ema"])
+            if len(saved_emas) != len(self.emas):
+                raise CheckpointError(
+                    f"the checkpoint's {self.who} holds {len(saved_emas)} ema(s) but this run's "
+                    f"has {len(self.emas)}: give the step the same averages (ema=[...]) as when "
+                    "saving"
+                )
+            for average, saved_ema in zip(self.emas, saved_emas, strict=True):
+                average.check_state_dict(saved_ema)
         every = need(counters, "every", int, "the step's 'every'")
         if every != self.accumulator.every:
             raise CheckpointError(
@@ -325,16 +369,18 @@ class StepState(UserState):
 
     def load_owned(self, saved: Mapping[str, object]) -> None:
         """Load what ``owned_state`` saved (the step's own entries are loaded apart)."""
+        log_state = saved.get("log")
+        if self.log is not None and isinstance(log_state, Mapping):
+            self.log.load_state_dict(log_state)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         if self.amp is not None:
             amp_state = saved["amp"]
             assert isinstance(amp_state, Mapping)  # check_state_dict made sure
             self.amp.load_state_dict(amp_state)
-        if self.ema is not None:
-            ema_state = saved["ema"]
-            assert isinstance(ema_state, Mapping)  # check_state_dict made sure
-            self.ema.load_state_dict(ema_state)
+        if self.emas:  # check_state_dict made sure they fit
+            for average, ema_state in zip(self.emas, _ema_states(saved["ema"]), strict=True):
+                average.load_state_dict(ema_state)
 
     def restore(self, snapshot: object) -> None:
         self.load_state_dict(snapshot)
@@ -344,6 +390,15 @@ class StepState(UserState):
         updates = self._counters(expect(saved, Mapping, "'step'"))["updates"]
         assert isinstance(updates, int)  # check_state_dict made sure
         return updates
+
+
+def _ema_states(saved: object) -> list[Mapping[str, object]]:
+    """A step's saved averages as a list (one average is saved as itself)."""
+    if isinstance(saved, Mapping):
+        return [saved]
+    if isinstance(saved, list) and all(isinstance(e, Mapping) for e in saved):
+        return saved
+    raise CheckpointError(f"damaged checkpoint: the step's ema state is a {type(saved).__name__}")
 
 
 class StepsState(UserState):
@@ -407,9 +462,12 @@ class LoaderState:
     def __init__(self, loader: EpochLoader, lookahead: Callable[[], int]) -> None:
         self.loader = loader
         self.lookahead = lookahead
+        self.epoch_open = False
+        """Set while a save on a pass's last window is written before the epoch's own code."""
 
     def state_dict(self) -> object:
-        return self.loader.state_dict(consumed=self.loader.position - self.lookahead())
+        consumed = self.loader.position - self.lookahead()
+        return self.loader.state_dict(consumed=consumed, epoch_open=self.epoch_open)
 
     def check_state_dict(self, saved: object) -> None:
         try:
@@ -425,6 +483,15 @@ class LoaderState:
 
     def restore(self, snapshot: LoaderSnapshot) -> None:
         self.loader._restore(snapshot)
+
+
+def _steps_optimizers(step: object) -> list[tuple[str, torch.optim.Optimizer]]:
+    """The optimizers a ``step=`` updates, by the file key each is saved under by default."""
+    if isinstance(step, _group.steps):
+        return [(f"optimizer.{k}", m.optimizer) for k, m in enumerate(step.members)]
+    if isinstance(step, (_compose.step, _accumulate.accumulate)):
+        return [("optimizer", step.optimizer)]
+    return []
 
 
 def pieces_for(
@@ -467,6 +534,13 @@ def pieces_for(
                 f"got {step!r}"
             )
         pieces["step"] = stepper = StepState(step, elsewhere)
+    for name, owned in _steps_optimizers(step):
+        # The step's optimizer is saved with it unless optimizer=/extra= holds it: a resume
+        # without its state (Adam's moments, momentum) would restart it, silently.
+        if id(owned) not in {id(optimizer), *map(id, extra.values())}:
+            name = name if name not in pieces else f"step.{name}"  # optimizer= is another
+            pieces[name] = OptimizerState(owned, optional=True)
+            pieces[f"{name}_shapes"] = ParamShapes(owned, optional=True)
     if amp is not None:
         if not isinstance(amp, autocast_step):
             raise TypeError(f"amp must be a loopkit.autocast_step, got {amp!r}")

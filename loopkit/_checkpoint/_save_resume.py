@@ -27,12 +27,12 @@ from .. import _ranks
 from .._checks import is_int_at_least
 from .._data._epoch_loader import EpochLoader
 from .._precision import autocast_step
-from .._step import _accumulate, _compose, _group
+from .._step import _accumulate, _compose, _group, _misuse
 from .._types import Clock, Stateful
 from . import _files as files
 from ._contract import StatePiece, need, per_rank
 from ._deferred import DeferredSave
-from ._pieces import StepsState, StepState, pieces_for
+from ._pieces import LoaderState, StepsState, StepState, pieces_for
 from ._resume import BOOKKEEPING, load_file, read_agreed
 
 
@@ -42,10 +42,9 @@ class Checkpointer:
     ``ckpt.resume()`` before the loop restores the newest checkpoint (if any);
     ``ckpt.save()`` at a window boundary writes one (rank zero writes, every rank takes
     part); ``ckpt.maybe_save(every=N)`` saves each N-th optimizer update. Pass the same
-    objects when resuming as when saving.
-
-    ``step=`` saves the step's counters, precision and GradScaler, and the scheduler given
-    to the step unless ``scheduler=``/``extra=`` holds that object (a ``steps`` group: each
+    objects when resuming as when saving. ``step=`` saves the step's counters, precision,
+    GradScaler and what it was given (optimizer, scheduler, ``ema=``, ``log=``) unless
+    ``optimizer=``/``scheduler=``/``extra=`` holds that object (a ``steps`` group: each
     member's); a resume in another precision is refused.
 
     Checkpoints are named by the step's update count, or (without ``step=``) by the
@@ -131,7 +130,7 @@ class Checkpointer:
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank contributes (RNG states are gathered from all ranks on save)."""
         acc = self._acc
-        if acc is not None and acc.micro_step:
+        if acc is not None and acc.settle():
             raise RuntimeError(
                 f"saving mid-window ({acc.micro_step} of {acc.every} micro-steps done) would "
                 "drop their gradients: save when acc.micro_step == 0, e.g. right after an update"
@@ -195,7 +194,7 @@ class Checkpointer:
         # Saved already: this update, unless a window skipped since (inf/nan) changed the
         # state without changing the count (its counters, the GradScaler, the data's place).
         saved = updates == self.last_saved_update and self._saved_windows == self._windows_closed()
-        if not updates or acc.micro_step or updates % every or saved:
+        if not updates or acc.settle() or updates % every or saved:
             return None
         if updates == self._deferred.update:
             return None
@@ -211,14 +210,18 @@ class Checkpointer:
         """Whether a save that ``maybe_save`` deferred to the next pass is still unwritten."""
         return self._deferred.update is not None
 
-    def save_at_boundary(self) -> Path | None:
-        """Save now unless this update is saved already; deferred as ``maybe_save`` defers.
+    def save_at_boundary(self, defer: bool = True) -> Path | None:
+        """Save now unless this update is saved already; deferred as ``maybe_save`` defers
+        (``defer=False``: written now, the file saying that the epoch's own code after its
+        last window is still to run, which a resumed run then runs).
 
         What a stop condition calls inside the loop: on the window that ends the loader's
         pass, the save waits for the next pass or for ``save_if_needed()``, with or without
         ``step=`` (a loop without one: the optimizer step just made ends the pass when the
         loader has handed out its last batch).
         """
+        if not defer and self.ends_pass():
+            return _written_before_epoch_code(self)
         if self._acc is not None:
             return self.maybe_save(every=1)
         if self.ends_pass():
@@ -260,7 +263,7 @@ class Checkpointer:
         an ``abandoned-<update>-<time>/`` subdirectory.
         """
         acc = self._acc
-        if acc is not None and acc.micro_step:
+        if acc is not None and acc.settle():
             raise RuntimeError(
                 f"resume() in the middle of an accumulation window ({acc.micro_step} of "
                 f"{acc.every} micro-steps done): call it before the training loop"
@@ -280,6 +283,7 @@ class Checkpointer:
         except BaseException:
             files.move_back(moved)
             raise
+        _misuse.resumed()  # schedulers moved by a load, not stepped: no step's guard objects
         self._count_saved(need(state, "saves", int, "'saves'"))
         return target
 
@@ -302,3 +306,18 @@ def _check_can_add(pieces: Mapping[str, StatePiece], used: bool, name: str, piec
             f"add {name!r} before the first resume() or save(): a resume before it would "
             "have skipped its state"
         )
+
+
+def _written_before_epoch_code(ckpt: Checkpointer) -> Path | None:
+    """A save on the window that ends the loader's pass, written now (not deferred), whose
+    loader state says the epoch is still open: a resume runs its code after the last window
+    (a pass with no batch left). For a loop that nothing ends for loopkit, where a deferred
+    save would never be written."""
+    piece = ckpt.pieces["loader"]
+    assert isinstance(piece, LoaderState)  # ends_pass() is only true with loader=
+    ckpt._deferred.cancel()
+    piece.epoch_open = True
+    try:
+        return ckpt.save()
+    finally:
+        piece.epoch_open = False

@@ -64,11 +64,11 @@ class Boundaries:
             self._load = load
             if loaded is not None:
                 self._last = loaded
-        # Read first, on every call: a group learns from these reads where the loop asks
+        # Asked first, on every call: a group learns from these calls where the loop asks
         # loop control (before or after its micro-steps), and closes a window's last batch
         # there. Then the common answer: no window has closed since the last report
         # (mid-window, or asked twice at one boundary).
-        if clock.micro_step:
+        if clock.settle():
             return None
         updates = clock.updates
         closed = _closed(clock)

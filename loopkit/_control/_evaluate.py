@@ -7,11 +7,13 @@ dropped by position (the sampler appends them after the real samples, so on each
 are the last ones), and the ranks' float64 sums and counts are pooled in one exchange at
 the end, summed in rank order on every rank alike.
 
-The forward runs under ``torch.inference_mode()`` and the step's autocast, on the module
-inside DDP (so no reducer state is touched, and ranks may run different numbers of
-batches), with every submodule in eval mode and, under several processes, rank 0's
-persistent buffers on every rank (``_rank_zero_buffers``: the metric is that of the model a
-checkpoint saves, whatever DDP's ``broadcast_buffers``); the modes, each rank's own buffers
+The forward runs under ``torch.inference_mode()`` and evaluate's own precision (the step's,
+or ``precision=``: fp32 by default) wherever it is called: an enclosing autocast (a step's,
+entered by ``with step as s:`` until ``s.backward``) is off for the call and on again after
+it. It runs on the module inside DDP (so no reducer state is touched, and ranks may run
+different numbers of batches), with every submodule in eval mode and, under several
+processes, rank 0's buffers on every rank (``_rank_zero_buffers``: the metric is that of
+rank 0's model, whatever DDP's ``broadcast_buffers``); the modes, each rank's own buffers
 and the RNG states (python, numpy, torch) are put back afterwards, so an evaluation never
 changes the training that follows it.
 """
@@ -111,11 +113,13 @@ def evaluate(
     ``DistributedSampler`` (``drop_last=False``), or ``disjoint=True`` says the loader
     already gives every sample to exactly one rank (an IterableDataset sharded by rank).
     ``step=`` takes its precision, device and transfer options; else ``precision=``
-    (default fp32) and ``device=`` (default the model's). Every rank must call it; each
-    gets the same result: the metric of rank 0's model (its buffers, such as BatchNorm's
-    running statistics, on every rank for the call). One host read and one exchange
-    (``all_gather_object``) per call; a model with buffers adds, under several processes,
-    one exchange of their shapes and a broadcast of each.
+    (default fp32) and ``device=`` (default the model's). That precision holds wherever it
+    is called: inside ``with step as s:`` before ``s.backward`` the step's autocast is
+    off for the evaluation (fp32) or replaced by evaluate's, and on again after it. Every
+    rank must call it; each gets the same result: the metric of rank 0's model (all its
+    buffers, such as BatchNorm's running statistics, on every rank for the call). One host
+    read and one exchange (``all_gather_object``) per call; a model with buffers adds, under
+    several processes, one exchange of their shapes and a broadcast of each.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -334,15 +338,37 @@ def _autocast(
     precision: PrecisionLike | None,
     device: DeviceLike | None,
 ) -> contextlib.AbstractContextManager[Any]:
+    """evaluate's precision on its device, whatever autocast the call is made under."""
     if step is not None:
         prec, device_type = step.amp.precision, step.device.type
     else:
         prec = resolve_precision("fp32" if precision is None else precision)
         where = resolve_device(device) if device is not None else model_device(unwrap(model))
         device_type = where.type if where is not None else "cpu"
-    if prec == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=_DTYPES[prec])
+    return _own_precision(prec, device_type)
+
+
+# The device types whose enclosing autocast is turned off: the evaluation's own is added.
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+@contextlib.contextmanager
+def _own_precision(prec: str, device_type: str) -> Iterator[None]:
+    """``prec`` on ``device_type`` and no autocast elsewhere, for the ``with`` block only.
+
+    Called inside ``with step as s:`` before ``s.backward``, the step's autocast is entered:
+    without this the evaluation would silently run in its precision. Each enclosing
+    autocast is switched off (``enabled=False``) or, on the evaluation's device under bf16/
+    fp16, replaced by evaluate's own; leaving restores the enclosing state as it was.
+    """
+    types = dict.fromkeys((device_type, *_AUTOCAST_TYPES))
+    with contextlib.ExitStack() as stack:
+        for kind in types:
+            if kind == device_type and prec != "fp32":
+                stack.enter_context(torch.autocast(kind, dtype=_DTYPES[prec]))
+            elif torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
 
 
 def _mover(model: nn.Module, device: DeviceLike | None) -> Callable[[Any], Any]:

@@ -6,9 +6,11 @@ then each rank's forward updates them with its own batch (BatchNorm's running st
 with ``broadcast_buffers=False``, under FSDP or in a model trained without DDP they drift
 apart freely. Each rank evaluating its shard with its own buffers would pool the metric of
 no model at all. The model a checkpoint saves is rank 0's, so every rank evaluates with
-rank 0's persistent buffers (those ``state_dict`` holds), and gets its own back afterwards:
-an evaluation never changes the training that follows. Non-persistent buffers (caches
-that are not part of the model) and tensor subclasses (DTensor shards) are left alone.
+rank 0's buffers, and gets its own back afterwards, bit for bit: an evaluation never
+changes the training that follows. All of them: the persistent ones (those ``state_dict``
+holds) and the non-persistent ones (``register_buffer(..., persistent=False)``: a running
+statistic kept out of checkpoints, a cache), which a forward reads just the same. Tensor
+subclasses (DTensor shards) are left alone.
 """
 
 from __future__ import annotations
@@ -19,26 +21,18 @@ from torch import nn
 from .. import _ranks
 
 
-def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers ``module.state_dict()`` holds, by name, each tensor once."""
-    found: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for prefix, mod in module.named_modules():
-        for name, buf in mod._buffers.items():
-            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            if type(buf) is not torch.Tensor:  # a DTensor or another subclass: its own business
-                continue
-            seen.add(id(buf))
-            found.append((f"{prefix}.{name}" if prefix else name, buf))
-    return found
+def plain_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every buffer of ``module``, persistent or not, by name, each tensor once (no subclass)."""
+    # named_buffers: in registration order (the same on every rank), shared ones once.
+    # A DTensor or another subclass is its own business.
+    return [(name, buf) for name, buf in module.named_buffers() if type(buf) is torch.Tensor]
 
 
 class RankZeroBuffers:
-    """A model's persistent buffers set to rank 0's while it is evaluated, then put back."""
+    """A model's buffers set to rank 0's while it is evaluated, then put back."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._buffers = persistent_buffers(module) if _ranks.is_multi_rank() else []
+        self._buffers = plain_buffers(module) if _ranks.is_multi_rank() else []
         self._own: list[torch.Tensor] | None = None
         if self._buffers:
             self._check_alike()

@@ -44,12 +44,12 @@ class until:
     on updates and epochs, and ``early_stop``'s decision, at every boundary.
 
     ``checkpointer=ckpt`` (which must save the same step, or none for none): the stop
-    writes one checkpoint at its boundary (deferred to the end of the epoch's code when it
-    falls on the epoch's last window, like ``maybe_save``, with or without a step), and the
-    stop's own state (elapsed time, ``early_stop``'s counters, the epochs it counts) is
-    saved with every checkpoint. Build it before ``ckpt.resume()``. Use it as a context
-    manager (``with loopkit.until(...) as stop:``), or let ``epochs()`` end, to put the
-    signal handlers back (and write a deferred save).
+    writes one checkpoint at its boundary, and the stop's own state (elapsed time,
+    ``early_stop``'s counters, the epochs it counts) is saved with every checkpoint. On an
+    epoch's last window the save waits for the end of the epoch's code (like
+    ``maybe_save``) where ``epochs()`` or ``with loopkit.until(...) as stop:`` ends the loop
+    (they also put the signal handlers back); in a loop without either it is written at
+    once, marked so that a resume runs the epoch's code. Build it before ``ckpt.resume()``.
 
     ``max_epochs`` is counted by ``epochs()``; in a loop without it, ``check()`` counts the
     passes of the Checkpointer's ``loader=`` and stops on the window that ends the last
@@ -89,6 +89,7 @@ class until:
         # iterate shows the pass's end: watched at every check (one attribute read).
         self._watch = checkpointer is not None and checkpointer.loader is None and clock is not None
         self._epochs_used = False  # epochs() counts the epochs (check() leaves max_epochs to it)
+        self._entered = False  # used as `with until(...)`: its exit writes a deferred save
         self._in_epoch = False  # epochs() has yielded and its epoch's code is running
         self._waits_for_epoch = False  # the stop's save waits for the epoch's code (no loader)
         self.reason: str | None = None
@@ -178,7 +179,9 @@ class until:
             # writes the save there, with the next epoch's number (the same on every rank).
             self._waits_for_epoch = True
         else:
-            ckpt.save_at_boundary()
+            # Deferred to the next pass only where `with until` or epochs() ends the loop;
+            # else written now, marked as before the epoch's own code (which a resume runs).
+            ckpt.save_at_boundary(defer=self._entered or self._epochs_used)
         # Written now unless deferred to the epoch's end (the same on every rank).
         self._stop_saved = not (ckpt.save_pending or self._waits_for_epoch)
 
@@ -246,6 +249,7 @@ class until:
             self._flag.restore()
 
     def __enter__(self) -> until:
+        self._entered = True
         return self
 
     def __exit__(
@@ -270,12 +274,9 @@ class until:
         self._state.load_state_dict(saved)
 
     def __repr__(self) -> str:
-        limits = {
-            "max_updates": self.max_updates,
-            "max_epochs": self.max_epochs,
-            "max_time": self.max_time,
-        }
-        said = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
+        limits = (("max_updates", self.max_updates), ("max_epochs", self.max_epochs),
+                  ("max_time", self.max_time))  # fmt: skip
+        said = ", ".join(f"{k}={v}" for k, v in limits if v is not None)
         sigs = tuple(s.name for s in self.signals)
         return f"loopkit.until({said}, signals={sigs}, reason={self.reason!r})"
 

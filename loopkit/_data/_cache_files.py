@@ -6,7 +6,8 @@ A cache is a directory of one file per field: a fixed-shape field as ``[N, *shap
 shape (``field{j}.shapes``, int64 ``[N, ndim]``). ``meta.json`` names the fields and holds
 each file's sha256, written as the bytes are. A build writes into a temporary directory
 (``.<name>.tmp-*``) and renames it into place once complete, under an ``flock`` on
-``.<name>.lock``: a second process building the same cache waits, then opens the first
+``.<name>.lock`` (mode 0600 whatever the umask: no other user writes beside a cache,
+``_cache_trust``): a second process building the same cache waits, then opens the first
 one's, and only a builder holding the lock removes temporary directories (a killed
 build's), so a live build's directory is never removed.
 """
@@ -24,6 +25,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,7 @@ def build_lock(root: Path, name: str) -> Iterator[bool]:
     """
     path = root / f".{name}.lock"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:
@@ -91,6 +93,37 @@ def build_lock(root: Path, name: str) -> Iterator[bool]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         os.close(fd)  # releases the lock, after the file is gone
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened for writing; one this call creates is owner-only (0600)."""
+    denied = 0
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            try:  # the umask cuts O_CREAT's mode (0o277 leaves 0o400): set it, whatever it is
+                os.fchmod(fd, 0o600)
+            except OSError:
+                os.close(fd)
+                raise
+            return fd
+        try:
+            return os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue  # its holder removed it as we opened it: make it anew
+        except PermissionError as err:
+            denied += 1  # its creator may not have set its mode yet: wait a moment for it
+            if denied == 50:
+                raise PermissionError(
+                    err.errno,
+                    f"preload: cannot open the build lock {path} ({err.strerror}): another "
+                    "user's build of this cache holds it, or its mode was changed; run again "
+                    "once no build of it runs, or pass cache= a directory of your own",
+                ) from err
+            time.sleep(0.01)
 
 
 def remove_leftovers(root: Path, name: str) -> None:
@@ -254,3 +287,15 @@ def verify(path: Path, meta: dict[str, Any], names: list[str]) -> None:
                 f"preload: {path / name} does not match the checksum written when the cache "
                 f"was built (changed or damaged since): delete {path} to rebuild it"
             )
+
+
+def contents(path: Path) -> str:
+    """A digest of what the cache at ``path`` holds: every file's sha256 from its build.
+
+    Equal for two caches of the same items whatever their key, root or node; it compares
+    every byte, where the fingerprint in a cache's name compares a sample of items.
+    """
+    meta = read_meta(path)
+    held = {k: meta.get(k) for k in ("length", "single", "fields")}
+    held["sha256"] = meta.get("sha256") or meta["fingerprint"]
+    return hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:16]

@@ -5,7 +5,9 @@ of a real data set easily takes longer, and would kill them): they poll a small 
 ``.<name>.job-<token>-<host>`` in the cache root, in which local rank 0 says that it is
 working (and its pid), then where the cache is, or why it failed. The token, drawn by
 rank 0 and shared in one quick collective as ``preload`` starts, tells this call's file
-from an earlier one's. A waiter raises with local rank 0's error if the build failed,
+from an earlier one's. Local rank 0's final word also goes to the job's store, which a
+waiter reads at every poll: it raises with local rank 0's error as soon as it is posted,
+even when the file still says "working" (a full disk: local rank 0 cannot rewrite it),
 and if local rank 0 died without finishing (its pid is gone), so none waits forever.
 """
 
@@ -56,6 +58,7 @@ class Announcer:
         said = {"state": state, "pid": os.getpid(), "pid_ns": _pid_namespace(), **more}
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is cut by the umask: owner-only, whatever it is
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(said))
         os.replace(tmp, self.path)  # a reader sees the old news or the new, never half
@@ -87,32 +90,32 @@ def _gone(said: dict[str, Any]) -> bool:
     return False
 
 
+def _failed(error: str) -> RuntimeError:
+    """Local rank 0's error as a waiter raises it (the same whichever way it arrived)."""
+    return RuntimeError(f"preload: local rank 0 could not build or open the cache: {error}")
+
+
 def wait_for(
     directory: Path, name: str, token: str, outcome: Callable[[], str | None] = lambda: None
 ) -> Path:
     """The cache's path once local rank 0 says it is ready; raises what it says if it failed.
 
     ``outcome``: local rank 0's final word if it has one (its error, "" when it succeeded),
-    posted where a failure before the handoff file existed (no root) still arrives.
+    posted in the job's store. It is read first at every poll: a failure reaches the
+    waiters whether or not local rank 0 could write it into the file (no root, a full disk).
     """
     path = _path(directory, name, token)
     delay = 0.02
     while True:
+        final = outcome()
+        if final:
+            raise _failed(final)
         said = _read(path)
-        if said is None:
-            final = outcome()
-            if final:
-                raise RuntimeError(
-                    f"preload: local rank 0 could not build or open the cache in {directory}: "
-                    f"{final}"
-                )
         if said is not None:
             if said.get("state") == "ready":
                 return Path(str(said.get("path")))
             if said.get("state") == "failed":
-                raise RuntimeError(
-                    f"preload: local rank 0 could not build or open the cache: {said.get('error')}"
-                )
+                raise _failed(str(said.get("error")))
             if _gone(said):
                 raise RuntimeError(
                     f"preload: local rank 0 (pid {said.get('pid')}) ended without finishing "
@@ -120,3 +123,68 @@ def wait_for(
                 )
         time.sleep(delay)  # bounded: a finished build is seen within a second
         delay = min(delay * 1.5, _MAX_POLL_S)
+
+
+def _outcome(token: str, rank: int) -> str:
+    return f"preload/{token}/outcome/{rank}"
+
+
+def builder_error(token: str, rank: int) -> str | None:
+    """The error ``rank`` (a node's local rank 0) posted ("" if none), or None if not yet."""
+    posted = _ranks.read_post(_outcome(token, rank))
+    return None if posted is None else str(json.loads(posted)["error"])
+
+
+def agree(
+    failure: Exception | None,
+    cache: tuple[Path, str] | None,
+    announcer: Announcer | None,
+    token: str,
+    rank: int,
+    world: int,
+) -> None:
+    """Every rank's outcome, once all have one: all raise if one failed or the nodes differ.
+
+    ``cache``: the cache this rank got and what it holds (``_cache_files.contents``). The
+    nodes' caches must hold the same data: each node's local rank 0 built (or found) its
+    own from that node's copy of the data set. Through the job's store, not a collective:
+    on another node a build may still be running (a fresh node without the cache), and a
+    collective would time out waiting for it. A rank that failed returns, to raise its own
+    exception unchanged; the last rank to read the outcomes deletes their keys.
+    """
+    report = {"error": "" if failure is None else f"{type(failure).__name__}: {failure}",
+              "cache": "", "holds": "", "host": socket.gethostname()}  # fmt: skip
+    if failure is None and cache is not None:
+        report.update(cache=str(cache[0]), holds=cache[1])
+    keys = [_outcome(token, r) for r in range(world)]
+    _ranks.post(keys[rank], json.dumps(report))
+    try:
+        reports = [json.loads(posted) for posted in _ranks.wait_posts(keys)]
+        _ranks.done_reading(keys, f"preload/{token}/read", world)
+    except Exception:
+        if failure is None:
+            raise
+        return  # this rank's own error says more than the exchange's: preload raises it
+    finally:
+        if announcer is not None:
+            announcer.remove()
+    if failure is not None:
+        return
+    failed = [(r, p["error"]) for r, p in enumerate(reports) if p["error"]]
+    if failed:
+        r, what = failed[0]
+        raise RuntimeError(f"preload: rank {r} could not build or open the cache: {what}")
+    held: dict[str, list[int]] = {}
+    for r, p in enumerate(reports):
+        held.setdefault(p["holds"], []).append(r)
+    if len(held) > 1:
+        nodes = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} read "
+            f"{reports[ranks[0]]['cache']} on {reports[ranks[0]]['host']} (contents {holds})"
+            for holds, ranks in held.items()
+        )
+        raise RuntimeError(
+            f"preload: the nodes' caches hold different data ({nodes}): each node's local "
+            "rank 0 built its cache from that node's copy of the data set, and these copies "
+            "differ. Make every node's data (and transform) the same, then run again"
+        )

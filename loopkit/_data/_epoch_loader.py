@@ -90,6 +90,11 @@ class EpochLoader:
         self.batches.skip = start
         p.pass_epoch = epoch
         p.position = start
+        if start >= len(self.loader):
+            # A pass resumed with no batch left (saved before its epoch's code ran): no
+            # DataLoader iterator, which would draw a seed from the generator the next
+            # pass starts from.
+            return iter(())
         return self._counted(iter(self.loader), Pass(id(self)))
 
     def _counted(self, it: Iterator[Any], this: Pass) -> Iterator[Any]:
@@ -104,8 +109,12 @@ class EpochLoader:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self._progress.next_epoch = epoch
 
-    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+    def state_dict(self, consumed: int | None = None, epoch_open: bool = False) -> dict[str, Any]:
         """Where the current pass stands: its epoch and the batches ``consumed`` so far.
+
+        ``epoch_open``: saved on the window that ends the pass, before the epoch's own code
+        after it: a resume runs that epoch again with no batch left (so its code runs),
+        where a finished pass otherwise resumes at the next epoch.
 
         Also records the data set's length, the batch size, the batches per pass, the seed
         and whether it shuffles, so a resume with other data, or mid-pass with another
@@ -124,6 +133,8 @@ class EpochLoader:
             "seed": self.batches.seed,
             "shuffle": self.batches.shuffle,
         }
+        if epoch_open and position >= len(self.loader):
+            state["epoch_open"] = True
         generator = self.loader.generator
         if generator is not None:
             finished = position >= len(self.loader)
@@ -148,6 +159,10 @@ class EpochLoader:
                 )
         if "batch_size" not in state:
             raise ValueError("the loader state has no 'batch_size' entry (incomplete)")
+        if not isinstance(state.get("epoch_open", False), bool):
+            raise ValueError(
+                f"the loader state's 'epoch_open' must be a bool, got {state['epoch_open']!r}"
+            )
         if state["dataset_length"] != self.batches.dataset_length:
             raise ValueError(
                 f"the data set has {self.batches.dataset_length} samples but the state was "
@@ -219,7 +234,7 @@ class EpochLoader:
         self._check_state(state)
         p = self._progress
         position = int(state["position"])
-        if position >= len(self.loader):
+        if position >= len(self.loader) and not state.get("epoch_open"):
             # The pass had finished: the next one is a new epoch, from its first batch.
             p.next_epoch, p.resume_at = int(state["next_epoch"]), 0
         else:

@@ -15,7 +15,9 @@ temporary directory and renames it into place when complete, under a lock that m
 second builder of the same cache wait and then open it. The default root is private to
 the user, and a cache someone else could have written is refused (``_cache_trust``).
 Under ``torchrun`` one process per node (local rank 0) builds or opens it; the others
-wait without a collective's timeout (``_cache_handoff``), then map it.
+wait without a collective's timeout (``_cache_handoff``), then map it. The ranks then
+compare what their caches hold (every file's sha256), so a job whose nodes built from
+different copies of the data is refused on every rank before it trains.
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from .. import _ranks
 from .._job import info
 from . import _cache_admin, _cache_files
 from ._cache_files import check_sizes, complete, read_meta
-from ._cache_handoff import Announcer, job_token, wait_for
+from ._cache_handoff import Announcer, agree, builder_error, job_token, wait_for
 from ._cache_trust import check_cache, check_root, default_roots, make_root
 from ._fields import Field, Survey, as_tensors, fingerprint
 
@@ -225,7 +226,9 @@ def preload(
     the sha256 of each file written at its build (default: only with
     ``trust_shared_cache``). Under torchrun every rank calls it: local rank 0 builds or
     opens, the others wait (however long) and map the same files; if it fails, every rank
-    raises. Raises OSError before writing anything if the directory has no room for it,
+    raises (local rank 0 its own exception, the others a RuntimeError naming it), and so
+    does every rank if the nodes' caches hold different data (each node's copy of the data
+    set differs). Raises OSError before writing anything if the directory has no room for it,
     saying how many bytes are needed where; ValueError for an empty data set.
     """
     if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
@@ -260,7 +263,8 @@ def preload(
     announcer = Announcer(roots[0], name, token) if builder and token else None
     failure: Exception | None = None
     cache_: Preloaded | None = None
-    try:  # from here on, a failure on any rank reaches every rank (_agree)
+    held: tuple[Path, str] | None = None
+    try:  # from here on, a failure on any rank reaches every rank (agree)
         for root in roots:
             check_root(root, default=default, trust=trust_shared_cache)
         if builder:  # where this call's handoff file goes (the others wait for it)
@@ -273,9 +277,10 @@ def preload(
             cache_ = opening.open_or_build(fingerprint(n, get, name), single)
         else:
             # The node's builder posts its outcome when it is done: a failure it could not
-            # write into the handoff file (no root) still reaches this rank from there.
+            # write into the handoff file (no root, a full disk) still reaches this rank.
             builder_rank = job.rank - job.local_rank  # torchrun numbers a node's ranks in a row
             cache_ = _waited(n, get, name, roots[0], token, builder_rank)
+        held = (cache_.path, _cache_files.contents(cache_.path))  # compared across nodes
         if announcer is not None:
             announcer.say("ready", path=str(cache_.path))
     except Exception as err:  # every rank must learn of it (below), then it is raised
@@ -284,9 +289,9 @@ def preload(
             with contextlib.suppress(OSError):
                 announcer.say("failed", error=f"{type(err).__name__}: {err}")
     if token:
-        _agree(failure, announcer, token, job.rank, job.world_size)
+        agree(failure, held, announcer, token, job.rank, job.world_size)
     if failure is not None:
-        raise failure
+        raise failure  # this rank's own exception, as it was raised
     assert cache_ is not None
     return cache_
 
@@ -305,7 +310,7 @@ def _waited(
         survey = fingerprint(n, get, name)
     except Exception as err:  # raised once local rank 0 is done: all meet in the exchange
         own = err
-    path = wait_for(where, name, token, lambda: _ranks.read_post(_outcome(token, builder_rank)))
+    path = wait_for(where, name, token, lambda: builder_error(token, builder_rank))
     if own is not None:
         raise own
     if path.name != f"{name}-{survey.fingerprint}":
@@ -314,35 +319,6 @@ def _waited(
             f"fingerprint {survey.fingerprint}: every rank must preload the same data set"
         )
     return Preloaded(path, built=False)
-
-
-def _outcome(token: str, rank: int) -> str:
-    return f"preload/{token}/outcome/{rank}"
-
-
-def _agree(
-    failure: Exception | None, announcer: Announcer | None, token: str, rank: int, world: int
-) -> None:
-    """Every rank's outcome, once all have one: all raise if one failed.
-
-    Through the job's store, not a collective: on another node a build may still be running
-    (a fresh node without the cache), and a collective would time out waiting for it.
-    """
-    said = "" if failure is None else f"{type(failure).__name__}: {failure}"
-    _ranks.post(_outcome(token, rank), said)
-    try:
-        reports = _ranks.wait_posts([_outcome(token, r) for r in range(world)])
-    except Exception:
-        if failure is not None:
-            raise failure from None  # this rank's own error says more than the exchange's
-        raise
-    finally:
-        if announcer is not None:
-            announcer.remove()
-    failed = [(r, e) for r, e in enumerate(reports) if e]
-    if failure is None and failed:
-        r, what = failed[0]
-        raise RuntimeError(f"preload: rank {r} could not build or open the cache: {what}")
 
 
 class _Opening:

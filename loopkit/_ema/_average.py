@@ -16,6 +16,8 @@ inf/nan. On its own, call ``ema.update()`` after ``optimizer.step()``.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -102,23 +104,37 @@ class ema:
         """EMA updates made (the warm-up's count)."""
         self.seen = 0
         """Real optimizer updates seen (``every`` counts these)."""
-        self.owner: object | None = None  # the step/accumulate that updates it, if any
+        # The steps given it (weakly: a step rebuilt for a phase takes it on, the old one
+        # goes), and the parameters' versions as a step last counted an update.
+        self._steps: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._counted_at: list[int] | None = None
+        self._built_at = self._versions()
+        self._told = False  # the "never averaged" warning is given once
 
     # -- updating ------------------------------------------------------------------------------
 
     def update(self) -> bool:
         """Count one optimizer update (call it after ``optimizer.step()``); average on every
         ``every``-th. Returns whether it averaged."""
-        if self.owner is not None:
+        if self._steps and self._counted_at == self._versions():
             raise RuntimeError(
                 "this ema is updated by the loopkit.step (or accumulate) it was given to "
-                "(ema=), after each real optimizer update: remove the ema.update() call"
+                "(ema=), which already counted the update that made these weights: remove the "
+                "ema.update() call"
             )
         return self.advance()
 
+    def given_to(self, step: object) -> None:
+        """``step`` counts each of its real updates here (``ema=``; several steps may, one
+        after the other: a run's phases, each its own step)."""
+        self._steps.add(step)
+        self._counted_at = self._versions()  # these weights are counted already
+
     def advance(self) -> bool:
-        """One real optimizer update happened (what the owning step calls)."""
+        """One real optimizer update happened (what a step given this ema calls)."""
         self._check_model()
+        if self._steps:
+            self._counted_at = self._versions()
         self.seen += 1
         if self.seen % self.every:
             return False
@@ -127,6 +143,23 @@ class ema:
         self._average(1.0 - d)
         self.updates += 1
         return True
+
+    def _versions(self) -> list[int]:
+        """The parameters' version counters (an in-place update bumps them; no device work)."""
+        return [_local(p)._version for p in self._params]
+
+    def _never_averaged(self) -> None:
+        """Warn once where the average is used but never moved while its model trained."""
+        if self._told or self.seen or self._versions() == self._built_at:
+            return
+        self._told = True
+        warnings.warn(
+            "this loopkit.ema has never been updated, but its model was trained since it was "
+            "built: the average is still the initial weights. Give it to the step "
+            "(loopkit.step(..., ema=average), or ema=[slow, fast] for several decays), or call "
+            "average.update() after each optimizer.step()",
+            stacklevel=3,
+        )
 
     def _check_model(self) -> None:
         """Refuse to average tensors the model no longer trains (checked on one: O(1))."""
@@ -172,6 +205,7 @@ class ema:
         even when the block raises. The training weights are copied aside meanwhile."""
         chosen = self.model if model is None else model
         params, buffers = self._targets(chosen)  # checked before anything changes
+        self._never_averaged()
         targets = [*params, *buffers]
         with torch.no_grad():
             kept = [t.detach().clone() for t in targets]
@@ -210,6 +244,7 @@ class ema:
 
     def named_shadow(self) -> dict[str, torch.Tensor]:
         """The average by parameter name (fp32; an FSDP2 rank's shard of each)."""
+        self._never_averaged()
         return dict(zip(self._names, self.shadow, strict=True))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -220,6 +255,10 @@ class ema:
         Under FSDP2 each average is a DTensor laid out as its parameter (this rank's shard):
         ``torch.distributed.checkpoint.save({"ema": ema.state_dict()}, ...)`` saves the
         shards, and ``.full_tensor()`` gathers one."""
+        self._never_averaged()
+        return self._state()
+
+    def _state(self) -> dict[str, Any]:
         return {
             "shadow": {
                 n: _as_param(p, s)
@@ -234,39 +273,7 @@ class ema:
 
     def check_state_dict(self, state: object) -> None:
         """Raise ``CheckpointError`` saying why ``state`` does not fit; changes nothing."""
-        if not isinstance(state, Mapping):
-            raise CheckpointError(
-                f"damaged checkpoint: the ema's state is a {type(state).__name__}"
-            )
-        for key in ("shadow", "buffers", "updates", "seen", "decay", "every"):
-            if key not in state:
-                raise CheckpointError(f"incomplete checkpoint: the ema's {key!r} is missing")
-        for key in ("updates", "seen"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CheckpointError(f"damaged checkpoint: the ema's {key!r} is {value!r}")
-        if state["every"] != self.every or state["decay"] != self.decay:
-            raise CheckpointError(
-                f"the ema was saved with decay={state['decay']!r}, every={state['every']!r} but "
-                f"this run's has decay={self.decay!r}, every={self.every!r}: build it as when "
-                "saving"
-            )
-        for label, saved, names, mine in (
-            ("parameter", state["shadow"], self._names, self.shadow),
-            ("buffer", state["buffers"], self._buffer_names, self.buffers),
-        ):
-            if not isinstance(saved, Mapping) or sorted(saved) != sorted(names):
-                raise CheckpointError(
-                    f"the ema's saved {label}s are not this model's: build the ema on the "
-                    "model it was saved with (the same trainable parameters)"
-                )
-            for name, t in zip(names, mine, strict=True):
-                got = saved[name]
-                if not isinstance(got, torch.Tensor) or _local(got).shape != t.shape:
-                    raise CheckpointError(
-                        f"the ema's saved {label} {name!r} does not fit this model's "
-                        f"{tuple(t.shape)}"
-                    )
+        _check_saved(self, state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned (checked first: a misfit changes nothing)."""
@@ -280,7 +287,7 @@ class ema:
 
     def snapshot(self) -> dict[str, Any]:
         """A copy of the state that later updates cannot change (a Checkpointer's undo)."""
-        state = self.state_dict()
+        state = self._state()
         state["shadow"] = {n: t.detach().clone() for n, t in state["shadow"].items()}
         state["buffers"] = {n: t.detach().clone() for n, t in state["buffers"].items()}
         return state
@@ -294,3 +301,37 @@ class ema:
             f"loopkit.ema(decay={self.decay}, every={self.every}, warmup={self.warmup}, "
             f"{len(self.shadow)} tensors, {self.updates} updates)"
         )
+
+
+def _check_saved(self: ema, state: object) -> None:
+    """``ema.check_state_dict``: the saved keys, counters, settings, names and shapes."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"damaged checkpoint: the ema's state is a {type(state).__name__}")
+    for key in ("shadow", "buffers", "updates", "seen", "decay", "every"):
+        if key not in state:
+            raise CheckpointError(f"incomplete checkpoint: the ema's {key!r} is missing")
+    for key in ("updates", "seen"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"damaged checkpoint: the ema's {key!r} is {value!r}")
+    if state["every"] != self.every or state["decay"] != self.decay:
+        raise CheckpointError(
+            f"the ema was saved with decay={state['decay']!r}, every={state['every']!r} but "
+            f"this run's has decay={self.decay!r}, every={self.every!r}: build it as when "
+            "saving"
+        )
+    for label, saved, names, mine in (
+        ("parameter", state["shadow"], self._names, self.shadow),
+        ("buffer", state["buffers"], self._buffer_names, self.buffers),
+    ):
+        if not isinstance(saved, Mapping) or sorted(saved) != sorted(names):
+            raise CheckpointError(
+                f"the ema's saved {label}s are not this model's: build the ema on the "
+                "model it was saved with (the same trainable parameters)"
+            )
+        for name, t in zip(names, mine, strict=True):
+            got = saved[name]
+            if not isinstance(got, torch.Tensor) or _local(got).shape != t.shape:
+                raise CheckpointError(
+                    f"the ema's saved {label} {name!r} does not fit this model's {tuple(t.shape)}"
+                )

@@ -16,7 +16,8 @@ class CSVSink(Tracker):
 
     A metric that appears later adds a column: the file is rewritten once with the wider
     header (earlier rows get an empty cell). Hyperparameters go to ``<path>.config.json``.
-    A resumed run appends to the same file; a new run (no resume) starts it afresh.
+    A resumed run appends to the same file; a new run (no resume) starts it afresh. Several
+    rows may share a step (a log that flushes more often than the step updates).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -70,10 +71,14 @@ class CSVSink(Tracker):
         saved = json.loads(target.read_text()) if target.exists() else {}
         target.write_text(json.dumps({**saved, **params}, indent=1, default=str))
 
-    def _held_through(self) -> int | None:
+    def _held_through(self) -> tuple[int, int] | None:
+        """The last row's step and how many rows at its end have that step."""
         with self.path.open(newline="") as f:
             steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("step")]
-        return max(steps) if steps else None
+        if not steps:
+            return None
+        count = next((i for i, s in enumerate(reversed(steps)) if s != steps[-1]), len(steps))
+        return steps[-1], count
 
     def _finish(self) -> None:
         self._file.close()

@@ -103,6 +103,9 @@ class Delivery:
                     f"the saved sink states do not match this log's sinks at {sink!r}: build "
                     "the log with the same sinks, in the same order, as the run that saved it"
                 )
+            check = getattr(sink, "check_state_dict", None)
+            if state is not None and callable(check):
+                check(state)  # a tracker: its state's form, and that it has not started yet
         return states
 
     def load_state_dict(self, states: list[Any]) -> None:

@@ -16,6 +16,7 @@ import torch
 from .. import _ranks
 from .._checks import is_int_at_least
 from .._types import Reduction, Sink
+from . import _log_state
 from ._delivery import Delivery, as_sinks
 from ._exchange import reduce_across_ranks
 from ._reductions import REDUCTIONS, Value, reduce_local
@@ -24,7 +25,7 @@ from ._sinks import print_sink
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class detach_logging:
+class detach_logging(_log_state.LogState):
     """Record metrics detached and on their device; reduce and read them once per ``every``.
 
     ``every``: flush interval, in log calls (None: only on ``flush()`` and leaving ``with``).
@@ -53,6 +54,10 @@ class detach_logging:
     calls between flushes, and ``flush()`` called on every rank), whatever it logged;
     leaving ``with log:`` on an exception then skips the flush rather than risk a hang.
     In a single process ``sync_ranks=True`` reduces locally, so the script runs unchanged.
+
+    A checkpoint holds the log (a step's own log with ``Checkpointer(step=)``, any other
+    under ``extra=``): its count, its place in the flush interval, the values recorded since
+    the last flush and its trackers' runs, so a resumed run flushes as if never stopped.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class detach_logging:
         self._delivery = Delivery(sinks)
         self._values: dict[str, list[Value]] = {}
         self._calls_since_flush = 0
+        self._restored: set[str] = set()  # metrics whose values a resume put on the CPU
         self.step = 0
         """Number of ``log(...)`` calls so far."""
         self.last: dict[str, float] = {}
@@ -124,10 +130,19 @@ class detach_logging:
         """Record one value per metric (a scalar tensor or a Python number)."""
         if not metrics:
             raise TypeError("log() got no metrics: call it as log(loss=loss, ...)")
-        checked = [(name, _checked(name, v, self._values.get(name))) for name, v in metrics.items()]
+        # Values a resume restored on the CPU follow the metric to its device now.
+        moved = _log_state.adopted(self._values, self._restored, metrics)
+        checked = [
+            (name, _checked(name, v, moved.get(name, self._values.get(name))))
+            for name, v in metrics.items()
+        ]
         flushes = self.every is not None and self._calls_since_flush + 1 >= self.every
         across = self._across_ranks() if flushes else False
         # Stored only once every value is known good, so a bad call records nothing.
+        before = {name: self._values[name] for name in moved}
+        unmarked = self._restored.intersection(metrics)
+        self._values.update(moved)
+        self._restored -= unmarked
         for name, value in checked:
             self._values.setdefault(name, []).append(value)
         self.step += 1
@@ -144,6 +159,8 @@ class detach_logging:
                 kept.pop()
                 if not kept:
                     del self._values[name]
+            self._values.update(before)
+            self._restored |= unmarked
             self.step -= 1
             self._calls_since_flush -= 1
             raise
@@ -193,6 +210,7 @@ class detach_logging:
         """Commit a successful flush: clear the interval, remember it, call the sink."""
         self._values = {}
         self._calls_since_flush = 0
+        self._restored = set()
         if not reduced:  # a cross-rank flush where no rank had logged anything
             return
         self.last = reduced
@@ -212,25 +230,12 @@ class detach_logging:
             axes.update(seen.axes())
         return updates, axes
 
-    # -- trackers: hyperparameters, resume, closing ------------------------------------------
+    # -- trackers: hyperparameters, closing (the checkpoint state: LogState) -------------------
 
     def config(self, **params: Any) -> None:
         """Log hyperparameters once, to every sink that takes them (``sink.config``)."""
         if _ranks.world()[0] == 0 or self.sync_ranks is False:
             self._delivery.config(params)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The log-call count and each sink's state (a tracker's run id), for a checkpoint."""
-        return {"calls": self.step, "sinks": self._delivery.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the saved count and give each tracker its run back (before it starts)."""
-        calls = state.get("calls") if isinstance(state, Mapping) else None
-        if not is_int_at_least(calls, 0):
-            raise ValueError(f"not a detach_logging state (no 'calls' count): {state!r}")
-        sinks = self._delivery.check_state(state.get("sinks"))
-        self._delivery.load_state_dict(sinks)
-        self.step = int(calls)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Flush what is left, then close the sinks that can be closed (trackers' runs end)."""

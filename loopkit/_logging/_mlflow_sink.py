@@ -14,8 +14,9 @@ class MLflowSink(Tracker):
 
     ``experiment``: its name (created if missing); ``tracking_uri``: where the runs live (a
     server, ``sqlite:///mlflow.db``, or a directory: MLflow's file store then needs
-    ``MLFLOW_ALLOW_FILE_STORE=true``). A resumed run continues the same run id; the steps it
-    already holds are read back from its metric history and not logged again.
+    ``MLFLOW_ALLOW_FILE_STORE=true``). A resumed run continues the same run id; the points it
+    already holds (the last step and how many points at it) are read back from its metric
+    history and not logged again.
     """
 
     def __init__(
@@ -59,10 +60,15 @@ class MLflowSink(Tracker):
         param = self._entities.Param
         self.client.log_batch(self.run_id, params=[param(k, str(v)) for k, v in params.items()])
 
-    def _held_through(self) -> int | None:
+    def _held_through(self) -> tuple[int, int] | None:
+        """The last step in the metric histories and the most points one metric has at it."""
         keys = self.client.get_run(self.run_id).data.metrics
-        steps = [m.step for k in keys for m in self.client.get_metric_history(self.run_id, k)]
-        return max(steps) if steps else None
+        histories = [[m.step for m in self.client.get_metric_history(self.run_id, k)] for k in keys]
+        steps = [s for h in histories for s in h]
+        if not steps:
+            return None
+        last = max(steps)
+        return last, max(h.count(last) for h in histories)
 
     def _finish(self) -> None:
         self.client.set_terminated(self.run_id)

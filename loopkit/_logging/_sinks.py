@@ -8,9 +8,10 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
-from ._tracker import Tracker
+from ._tracker import Tracker, held_in, read_record, write_record
 
 
 def print_sink(metrics: dict[str, float], *, step: int) -> None:
@@ -74,7 +75,8 @@ class TensorBoardSink(Tracker):
     ``log_dir`` is required (unless ``writer=`` is given): a default would write into
     ``./runs/`` of whatever directory the script was started from. The writer is made at
     the first write (a resumed run appends to the same directory); hyperparameters go in as
-    a text summary; the last step written is kept in ``<log_dir>/.loopkit-last-step.json``.
+    a text summary; the last step written and the points written at it are kept in
+    ``<log_dir>/.loopkit-last-step.json`` (a resume after a kill -9 writes no point twice).
     """
 
     def __init__(
@@ -108,25 +110,23 @@ class TensorBoardSink(Tracker):
         for name, value in values.items():
             self.writer.add_scalar(name, value, global_step=step)
         self.writer.flush()
-        if self.log_dir is not None:
-            side = os.path.join(self.log_dir, ".loopkit-last-step.json")
-            with open(side + ".tmp", "w") as f:
-                f.write(json.dumps({"last_step": step}))
-            os.replace(side + ".tmp", side)
+
+    def _sidecar(self) -> Path | None:
+        return None if self.log_dir is None else Path(self.log_dir, ".loopkit-last-step.json")
+
+    def _wrote(self, step: int, count: int) -> None:
+        side = self._sidecar()
+        if side is not None:  # flushed to the event file first: the record never runs ahead
+            write_record(side, {"last_step": step, "count": count})
 
     def _write_config(self, params: dict[str, Any]) -> None:
         add_text = getattr(self.writer, "add_text", None)
         if add_text is not None:
             add_text("hparams", json.dumps(params, default=str, sort_keys=True))
 
-    def _held_through(self) -> int | None:
-        if self.log_dir is None:
-            return None
-        side = os.path.join(self.log_dir, ".loopkit-last-step.json")
-        if not os.path.exists(side):
-            return None
-        with open(side) as f:
-            return int(json.load(f)["last_step"])
+    def _held_through(self) -> tuple[int, int] | int | None:
+        side = self._sidecar()
+        return None if side is None else held_in(read_record(side))
 
     def _finish(self) -> None:
         close = getattr(self.writer, "close", None)

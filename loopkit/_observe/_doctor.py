@@ -195,7 +195,7 @@ class doctor:
         tb: TracebackType | None,
     ) -> None:
         self._clock.switch("")
-        self._flops.stop(exc_type is None)
+        self._flops.stop(exc_type is None, self.samples)
         self._sampler.stop(keep_counting=self._iterated and exc_type is None)
         self._clock.end_step()
         if exc_type is None:
@@ -216,6 +216,13 @@ class doctor:
                 raise ValueError(f"{label} must be an int >= 0, got {v!r}")
         self.samples += samples or 0
         self.tokens += tokens or 0
+
+    def step_samples(self, samples: int) -> None:
+        """The next step's samples on this rank (``loopkit.step`` says each chunk's): FLOPs
+        scale by them; else by those ``iterate``/``count`` counted since the last step."""
+        if not is_int_at_least(samples, 0):
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        self._flops.told = samples
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the batches, timing each ``next()`` as the data wait and counting samples.
@@ -247,9 +254,7 @@ class doctor:
         total = sum(v for k, v in seconds.items() if k != "communication")
         wall = self._clock.wall
         n = self.sync_steps
-        compute = hardware(
-            self._flops, self.steps, wall, self.peak_flops, self.device, self.precision
-        )
+        compute = hardware(self._flops, wall, self.peak_flops, self.device, self.precision)
         return {
             "steps": self.steps,
             "seconds": dict(seconds),

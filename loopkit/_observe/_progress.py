@@ -34,7 +34,8 @@ def rate(count: float, seconds: float) -> str:
 
 
 def eta(done: int, total: int | None, start_done: int, seconds: float) -> str | None:
-    """Time left at this run's pace (updates since it started), as H:MM:SS; None if unknown."""
+    """Time left at the pace measured since the display began (``start_done`` updates: those
+    of a resumed run before it are no part of its pace), as H:MM:SS; None if unknown."""
     if total is None or done <= start_done or seconds <= 0:
         return None
     left = max(total - done, 0) * seconds / (done - start_done)

@@ -31,7 +31,7 @@ class Stats(TypedDict):
     expected_syncs_per_step: dict[str, float]
     syncs_between_per_step: float | None  # of syncs_per_step: in the user's code after a step
     sync_lines: dict[str, float]  # "file:line (inside|between)" -> syncs per sampled step
-    flops_per_step: float | None  # counted on one step (forward + backward), or given
+    flops_per_step: float | None  # the mean over the steps (one counted, scaled by samples)
     flops_per_s: float | None  # achieved, over the wall time of the measured steps
     mfu: float | None  # flops_per_s over the device's dense peak for the precision
     peak: str | None  # what the peak was: "A100, 3.12e+14", or "given, ..."

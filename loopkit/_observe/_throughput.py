@@ -3,7 +3,11 @@
 A step's FLOPs are counted once, on one step (the second: the first may build lazy state),
 with ``torch.utils.flop_counter.FlopCounterMode`` over the micro-step's forward and
 backward (the optimizer's element-wise update is not counted: it is O(parameters), small
-beside the matmuls), or taken from the user (``doctor(flops_per_step=...)``). MFU is the
+beside the matmuls), or taken from the user (``doctor(flops_per_step=...)``). Steps differ
+in size (``micro_batch=`` cuts 32 samples into 24 + 8, a pass ends on a ragged batch), so a
+counted step is scaled by samples where every step's samples are known: the run's FLOPs are
+the counted step's per sample times the samples of all the steps measured (else its count
+times the steps). MFU is the
 achieved FLOP/s over the device's dense peak for the run's precision: from the table below
 for common GPUs, or ``doctor(peak_flops=...)``. A CPU has no entry: FLOP/s is reported,
 MFU only with a peak given.
@@ -47,13 +51,27 @@ def device_peak(device: torch.device | None, precision: str | None) -> tuple[str
 
 
 class FlopCount:
-    """Counts one step's FLOPs (on step ``at``) unless the user gave them."""
+    """The run's FLOPs: one step's counted (on step ``at``) unless the user gave them, scaled
+    by the samples of every step measured where they are known."""
 
     def __init__(self, given: float | None, at: int = 2) -> None:
         if given is not None and (isinstance(given, bool) or not given > 0):
             raise ValueError(f"flops_per_step must be a number > 0 or None, got {given!r}")
+        self.given = given
         self.per_step: float | None = given
+        """The counted step's FLOPs (or the given ones)."""
+        self.per_sample: float | None = None
+        """The counted step's FLOPs over its samples; None if they were not known."""
         self.at = at
+        self.steps = 0
+        self.samples = 0
+        """Samples of the steps measured (their sum; meaningful while ``all_known``)."""
+        self.all_known = True
+        """Whether every step measured said its samples (> 0)."""
+        self.told: int | None = None
+        """The next step's samples as ``loopkit.step`` says them (its chunk, after the
+        lookahead); else a step's are the samples counted since the last one ended."""
+        self._counted_before = 0  # the doctor's sample count as the last step ended
         self._mode: Any = None
 
     def start(self, number: int) -> None:
@@ -66,16 +84,33 @@ class FlopCount:
         mode.__enter__()
         self._mode = mode
 
-    def stop(self, ok: bool) -> None:
-        """Stop counting; keep the count if the step ended without an exception."""
+    def stop(self, ok: bool, counted: int) -> None:
+        """Stop counting; a step that ended without an exception counts, with its samples
+        (0: not known), and gives its FLOPs if it was the one counted. ``counted``: the
+        samples the doctor has counted so far (``doc.iterate``, ``doc.count``)."""
+        told, self.told = self.told, None
+        samples = told if told is not None else counted - self._counted_before
+        self._counted_before = counted
         mode, self._mode = self._mode, None
-        if mode is None:
-            return
-        mode.__exit__(None, None, None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            if not ok:
+                self.at += 1  # count the next step instead
+            else:
+                self.per_step = float(mode.get_total_flops())
+                self.per_sample = self.per_step / samples if samples > 0 else None
         if ok:
-            self.per_step = float(mode.get_total_flops())
-        else:
-            self.at += 1  # count the next step instead
+            self.steps += 1
+            self.samples += samples
+            self.all_known = self.all_known and samples > 0
+
+    def total(self) -> float | None:
+        """The FLOPs of the steps measured; None before one was counted."""
+        if self.per_step is None or not self.steps:
+            return None
+        if self.given is None and self.per_sample is not None and self.all_known:
+            return self.per_sample * self.samples
+        return self.per_step * self.steps
 
 
 def check_peak(peak_flops: object) -> None:
@@ -88,15 +123,14 @@ def check_peak(peak_flops: object) -> None:
 
 def hardware(
     flops: FlopCount,
-    steps: int,
     seconds: float,
     peak_flops: float | None,
     device: torch.device | None,
     precision: str | None,
 ) -> dict[str, Any]:
-    """The report's compute figures: FLOP per step, achieved FLOP/s, MFU and its peak."""
+    """The report's compute figures: FLOP per step (the mean), achieved FLOP/s, MFU, its peak."""
     peak = ("given", peak_flops) if peak_flops is not None else device_peak(device, precision)
-    out = utilization(flops.per_step, steps, seconds, peak)
+    out = utilization(flops.total(), flops.steps, seconds, peak)
     return {
         "flops_per_step": out.get("flops_per_step"),
         "flops_per_s": out.get("flops_per_s"),
@@ -106,16 +140,17 @@ def hardware(
 
 
 def utilization(
-    flops_per_step: float | None,
+    flops: float | None,
     steps: int,
     seconds: float,
     peak: tuple[str, float] | None,
 ) -> dict[str, float]:
-    """flops_per_s (and mfu, against ``peak``) from a per-step count over ``steps``."""
-    if not flops_per_step or not steps or seconds <= 0:
+    """The mean flops_per_step, flops_per_s (and mfu, against ``peak``) from the ``flops`` of
+    ``steps`` steps over ``seconds``."""
+    if not flops or not steps or seconds <= 0:
         return {}
-    achieved = flops_per_step * steps / seconds
-    out = {"flops_per_step": flops_per_step, "flops_per_s": achieved}
+    achieved = flops / seconds
+    out = {"flops_per_step": flops / steps, "flops_per_s": achieved}
     if peak is not None:
         out["mfu"] = achieved / peak[1]
     return out

@@ -53,6 +53,26 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def innermost(model: nn.Module) -> nn.Module:
+    """The user's module inside ``torch.compile`` and DDP wrappers, in any order and number
+    (FSDP, which holds shards, is not peeled)."""
+    for _ in range(16):
+        inner = unwrap(model)
+        if isinstance(inner, DistributedDataParallel):
+            inner = inner.module
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
+def plain_key(key: str) -> str:
+    """A state-dict key without ``torch.compile``'s ``_orig_mod`` levels (a compiled block)."""
+    return (
+        key if "_orig_mod" not in key else ".".join(p for p in key.split(".") if p != "_orig_mod")
+    )
+
+
 def _is_sync_wrapper(m: nn.Module) -> bool:
     fsdp2, fsdp1 = _fsdp_types()
     return (

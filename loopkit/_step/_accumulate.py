@@ -10,7 +10,7 @@ ranks (through ``_ranks`` and ``_parallel._grad_sync``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -21,8 +21,9 @@ from .._checks import is_int_at_least
 from .._ema import _average
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
+from .._tracing import EagerUnderCompile, eagerly
 from .._types import Weight
-from . import _misuse, _open_steps
+from . import _last_batch, _misuse, _open_steps
 from ._cross_rank import end_of_window
 from ._micro_sync import MicroStepSync
 from ._params import OptimizerParams
@@ -65,7 +66,7 @@ def _check_binding(model: object, optimizer: object, every: object) -> None:
         )
 
 
-class accumulate(contextlib.ContextDecorator):
+class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     """Accumulate gradients over ``every`` micro-batches, then update once, exactly.
 
     ``every``: micro-batches per update. Build it once before the loop; enter ``with acc:``
@@ -76,8 +77,8 @@ class accumulate(contextlib.ContextDecorator):
     guard, step, schedule), and an exception there drops the window as if it never
     happened. ``skip_nonfinite=True`` skips updates whose loss or gradient norm is inf/nan
     on any rank (one host read per update); ``max_consecutive_skips=K`` raises after K in a
-    row (fp16's start-up back-off not counted); ``ema=loopkit.ema(model)`` is averaged after
-    each real update. ``acc.flush()`` (or ``for batch in
+    row (fp16's start-up back-off not counted); ``ema=loopkit.ema(model)`` (or a list of
+    them: several decays) is averaged after each real update. ``acc.flush()`` (or ``for batch in
     acc.iterate(loader)``) closes a ragged last window with exact normalization.
     """
 
@@ -95,7 +96,7 @@ class accumulate(contextlib.ContextDecorator):
         amp: autocast_step | None = None,
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = None,
-        ema: _average.ema | None = None,
+        ema: _average.ema | Sequence[_average.ema] | None = None,
     ) -> None:
         _check_binding(model, optimizer, every)
         kind = sync_kind(model)
@@ -112,7 +113,7 @@ class accumulate(contextlib.ContextDecorator):
         self._progress = Progress()
         self._kind = kind
         self._sync = MicroStepSync(model, kind)
-        self._params = OptimizerParams(optimizer)
+        self._params = OptimizerParams(optimizer, model)
         self._weighting = Weighting(every, kind != "none", rule.group)
         self._window = Window()
         # The micro-step now open (set at entry, read until exit).
@@ -123,6 +124,8 @@ class accumulate(contextlib.ContextDecorator):
         self._reach: Reach | None = None  # set by a group: what its first window must not reach
         self.lookahead = 0
         """Items ``iterate`` has taken from its iterable but not yet handed out (0 or 1)."""
+        self.iterating = 0
+        """``iterate`` generators running now: the loop is driven by ``iterate``."""
         self._guard = _misuse.Guard(self, model, optimizer, scheduler, kind, every)
         rule.claim_ema(self)  # everything checked: the ema is this accumulate's to update
 
@@ -145,7 +148,7 @@ class accumulate(contextlib.ContextDecorator):
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """Total gradient norm before clipping at the last update (a device tensor, no sync)."""
+        """Total gradient norm of the last update, before any clipping (a device tensor)."""
         return self._progress.grad_norm
 
     @property
@@ -161,9 +164,13 @@ class accumulate(contextlib.ContextDecorator):
         """Micro-steps entered in the current window (1..every inside ``with``)."""
         return self._window.micro
 
+    def settle(self) -> int:
+        """``micro_step`` as loop control reads it (a group closes windows there first)."""
+        return self._window.micro
+
     # -- the micro-step ---------------------------------------------------------------------
 
-    def __enter__(self) -> accumulate:
+    def _enter(self) -> accumulate:
         if self._inside:
             raise RuntimeError(
                 "accumulate is already inside a micro-step: enter `with acc:` once per "
@@ -184,7 +191,7 @@ class accumulate(contextlib.ContextDecorator):
         self._inside = True
         self._did_backward = False
         window.micro += 1
-        self._guard.entered(window.micro)
+        self._guard.entered(window.micro, by_iterate=self.iterating > 0)
         return self
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
@@ -194,6 +201,11 @@ class accumulate(contextlib.ContextDecorator):
         in proportion, as in one batch holding all of them. Several calls in one micro-step
         add up to its contribution; ``weight=`` goes with the first. ``inputs=``/
         ``retain_graph=`` go to autograd."""
+        if torch.compiler.is_compiling():  # run eagerly: _tracing
+            return eagerly(self._backward, loss, weight, **autograd)
+        return self._backward(loss, weight, **autograd)
+
+    def _backward(self, loss: torch.Tensor, weight: Weight | None, **autograd: Any) -> None:
         if not self._inside:
             raise RuntimeError(
                 "acc.backward(loss) must be called inside `with acc:` (it belongs to that "
@@ -224,19 +236,21 @@ class accumulate(contextlib.ContextDecorator):
         self._did_backward = True
         self._guard.backward_done(self._params.current())
 
-    def __exit__(
+    def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is not None:
+            self._guard.raised()
         try:
             self._sync.exit(exc_type, exc, tb)
         finally:
             self._inside = False
             _open_steps.close(self)
         if exc_type is None and self._ending:
-            self._boundary()
+            _close_window(self)
 
     # -- window ends ------------------------------------------------------------------------
 
@@ -245,48 +259,29 @@ class accumulate(contextlib.ContextDecorator):
         if self._inside:
             raise RuntimeError("flush() inside `with acc:`: call it after the micro-step ends")
         self._final_pending = False
-        return self._boundary() if self._window.micro else False
+        return _close_window(self) if self._window.micro else False
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the items of ``iterable``, marking the last so its window closes on exit.
 
-        Looks one item ahead; a window never spans two calls (two epochs): a window left
-        open when an earlier ``iterate`` was left early (``break``, an exception) is closed
-        as a window of its own (``flush()``) before this one hands out its first item.
+        The last item is found by looking one ahead, or by counting to ``len()`` where
+        taking an item runs the data set in this process, so its random draws come where a
+        plain loop's would (``_last_batch``). A window never spans two calls (two epochs):
+        a window left open when an earlier ``iterate`` was left early (``break``, an
+        exception) is closed as a window of its own (``flush()``) before this one hands out
+        its first item.
         ``acc.lookahead`` is 1 while an item is held back that the loop has not seen.
         """
+        return self._iterate_from(iterable, iterable)
+
+    def _iterate_from(self, source: object, items: Iterable[T]) -> Iterator[T]:
+        """``iterate`` over ``items`` taken from ``source`` (a step moves them on the way)."""
         if self._inside:
             raise RuntimeError(
                 "iterate() inside `with acc:`: loop over acc.iterate(loader) and enter the "
                 "micro-step inside the loop"
             )
-        return _marking_last(self, iterable)
-
-    def _boundary(self) -> bool:
-        window = self._window
-        self._sync.refuse_unreduced_end(window)  # before anything changes
-        self._guard.refuse_foreign(at_end=True)
-        try:
-            update, factor = end_of_window(
-                self.model, self._kind, window, self.every, self._weighting.reference,
-                self._params, self._rule.group,
-            )  # fmt: skip
-            if not update:
-                return False
-            _misuse.STEPPING.add(id(self.optimizer))  # its step pre-hook lets loopkit's through
-            return self._rule.apply(self._params.current(), window, factor, self._progress)
-        except BaseException:
-            # The window is dropped as if it had never happened: no unscale recorded, no
-            # inf flag, no scale update (its gradients go with the zero_grad below).
-            if self.amp is not None:
-                self.amp.discard(self.optimizer)
-            raise
-        finally:
-            _misuse.STEPPING.discard(id(self.optimizer))
-            self.optimizer.zero_grad(set_to_none=True)
-            self._window = Window()
-            self._guard.window_closed()
-            self._reach = None if window.n_backward else self._reach  # checked: first window
+        return _marking_last(self, source, items)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -317,8 +312,38 @@ class accumulate(contextlib.ContextDecorator):
         )
 
 
-def _marking_last(acc: accumulate, iterable: Iterable[T]) -> Iterator[T]:
-    """acc.iterate's generator: close a left-over window, look one item ahead, mark the last."""
+def _close_window(acc: accumulate) -> bool:
+    """A window ends: its update (or none), then the next window starts clean; an exception
+    drops the window as if it never happened."""
+    window = acc._window
+    acc._sync.refuse_unreduced_end(window)  # before anything changes
+    acc._guard.refuse_foreign(at_end=True)
+    try:
+        update, factor = end_of_window(
+            acc.model, acc._kind, window, acc.every, acc._weighting.reference,
+            acc._params, acc._rule.group,
+        )  # fmt: skip
+        if not update:
+            return False
+        _misuse.STEPPING.add(id(acc.optimizer))  # its step pre-hook lets loopkit's through
+        return acc._rule.apply(acc._params.current(), window, factor, acc._progress)
+    except BaseException:
+        # The window is dropped as if it had never happened: no unscale recorded, no
+        # inf flag, no scale update (its gradients go with the zero_grad below).
+        if acc.amp is not None:
+            acc.amp.discard(acc.optimizer)
+        raise
+    finally:
+        _misuse.STEPPING.discard(id(acc.optimizer))
+        acc.optimizer.zero_grad(set_to_none=True)
+        acc._window = Window()
+        acc._guard.window_closed()
+        acc._reach = None if window.n_backward else acc._reach  # checked: first window
+
+
+def _marking_last(acc: accumulate, source: object, items: Iterable[T]) -> Iterator[T]:
+    """acc.iterate's generator: close a left-over window, mark the pass's last item
+    (``_last_batch``: looked ahead or counted), close a window the items left open."""
     window = acc._window
     if window.micro:
         if acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
@@ -327,23 +352,17 @@ def _marking_last(acc: accumulate, iterable: Iterable[T]) -> Iterator[T]:
             acc._final_pending = True
         else:
             acc.flush()
-    it = iter(iterable)
+    acc.iterating += 1
     try:
-        nxt = next(it)
-    except StopIteration:
-        return
-    try:
-        while True:
-            cur = nxt
-            try:
-                nxt = next(it)
-            except StopIteration:
-                acc.lookahead = 0
+        for item, last in _last_batch.marked(acc, source, items):
+            if last:  # (an FSDP left-over mark above stays for the first micro-step)
                 acc._final_pending = True
-                yield cur
-                return
-            acc.lookahead = 1
-            yield cur
+            yield item
+        # The items ended before the one counted last (a length not kept): their window
+        # closes now, before the loop goes on.
+        if acc._window.micro and not acc._inside:
+            acc.flush()
     finally:
+        acc.iterating -= 1
         acc._final_pending = False
         acc.lookahead = 0

@@ -24,6 +24,7 @@ from .._logging import _detach
 from .._observe import _doctor
 from .._parallel._grad_sync import no_sync, sync_kind, unwrap
 from .._precision import autocast_step
+from .._tracing import EagerUnderCompile, eagerly
 from .._types import DeviceLike, PrecisionLike, Weight
 from . import _accumulate, _feed, _micro_batch
 
@@ -59,7 +60,7 @@ def _refuse_outside(acc: _accumulate.accumulate) -> None:
         )
 
 
-class step(contextlib.ContextDecorator):
+class step(EagerUnderCompile, contextlib.ContextDecorator):
     """One reusable context manager per training loop: ``with step as s: ...; s.backward(loss)``.
 
     Build it once, before the loop, and enter it once per micro-batch (or decorate the
@@ -70,7 +71,7 @@ class step(contextlib.ContextDecorator):
     int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
     guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
     ``micro_batch=m``: ``iterate`` hands out batches in chunks of at most ``m`` samples;
-    ``ema=loopkit.ema(model)`` is averaged after each real update.
+    ``ema=loopkit.ema(model)`` (or a list: several decays) is averaged after each real update.
     ``frozen=[D]``: modules this step trains through but not (a GAN's discriminator in the
     generator's step): inside each micro-step their parameters get no gradient and a DDP
     one does not all-reduce; ``requires_grad`` is restored on exit, whatever happens.
@@ -96,7 +97,7 @@ class step(contextlib.ContextDecorator):
         doctor: _doctor.doctor | None = None,
         frozen: Sequence[nn.Module] = (),
         micro_batch: int | None = None,
-        ema: _average.ema | None = None,
+        ema: _average.ema | Sequence[_average.ema] | None = None,
     ) -> None:
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
@@ -106,17 +107,11 @@ class step(contextlib.ContextDecorator):
         if doctor is not None and not isinstance(doctor, _doctor.doctor):
             raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
         self._frozen = _Frozen(frozen, optimizer)
-        here = model_device(unwrap(model))
-        target = here if device is None else resolve_device(device)
-        if here is not None and target is not None and not same_device(here, target):
-            raise ValueError(
-                f"the model is on {here} but device={str(target)!r}: move the model "
-                f"first (model.to({str(target)!r})), then build the step"
-            )
-        self.device: torch.device = target if target is not None else torch.device("cpu")
+        self.device: torch.device = _target_device(model, device)
         self.amp = autocast_step(precision, device_type=self.device.type)
         self.log: _detach.detach_logging | None = _make_log(log)
         self.chunks = chunks  # micro_batch=: the chunk size now
+        chunks.watch(unwrap(model))
         self.seen = _feed.Seen()
         """Samples, tokens and epochs ``iterate`` handed out: the log's other x-axes."""
         self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
@@ -146,7 +141,7 @@ class step(contextlib.ContextDecorator):
 
     # -- the micro-step: the composition order, one line per middleware ----------------------
 
-    def __enter__(self) -> step:
+    def _enter(self) -> step:
         doc = self.doctor
         # 1. doctor: the step's clock starts (the batch was moved by `iterate`/`to_device`).
         if doc is not None:
@@ -171,6 +166,11 @@ class step(contextlib.ContextDecorator):
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
         """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate);
         several calls add up, ``inputs=``/``retain_graph=`` go to autograd."""
+        if torch.compiler.is_compiling():  # run eagerly: _tracing
+            return eagerly(self._backward, loss, weight, **autograd)
+        return self._backward(loss, weight, **autograd)
+
+    def _backward(self, loss: torch.Tensor, weight: Weight | None, **autograd: Any) -> None:
         _refuse_outside(self.accumulator)
         # 5. autocast ends before backward, as torch recommends (backward ops take the
         #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
@@ -188,7 +188,7 @@ class step(contextlib.ContextDecorator):
             raise RuntimeError("this step has no log: build it with log=N or log=detach_logging()")
         self._extra.update(metrics)
 
-    def __exit__(
+    def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -217,9 +217,12 @@ class step(contextlib.ContextDecorator):
             if log is not None and exc_type is None:
                 if loss is not None:
                     extra["loss"] = loss
-                if extra:
+                # A chunk of a batch (micro_batch=) adds to its batch's record, logged once
+                # the batch is done: the log counts and averages whole batches.
+                record = self.chunks.batch_record(extra)
+                if record:
                     with _phase(doc, "logging"):
-                        log.record(extra)
+                        log.record(record)
         finally:
             # 10. doctor: the step's clock stops.
             if doc is not None:
@@ -276,7 +279,7 @@ class step(contextlib.ContextDecorator):
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """Gradient norm before clipping at the last update (device tensor; needs clipping)."""
+        """Total gradient norm of the last update, before any clipping (a device tensor)."""
         return self.accumulator.grad_norm
 
     @property
@@ -358,6 +361,19 @@ def _phase(doc: _doctor.doctor | None, name: str | None) -> contextlib.AbstractC
     if doc is None or name is None:
         return _NOTHING
     return doc.phase(name)
+
+
+def _target_device(model: nn.Module, device: DeviceLike | None) -> torch.device:
+    """The device a step moves batches to: ``device=``, which must be the model's, or the
+    model's own (the CPU for a model with no tensors)."""
+    here = model_device(unwrap(model))
+    target = here if device is None else resolve_device(device)
+    if here is not None and target is not None and not same_device(here, target):
+        raise ValueError(
+            f"the model is on {here} but device={str(target)!r}: move the model "
+            f"first (model.to({str(target)!r})), then build the step"
+        )
+    return target if target is not None else torch.device("cpu")
 
 
 def _make_log(log: _detach.detach_logging | int | None) -> _detach.detach_logging | None:

@@ -46,6 +46,14 @@ class Seen:
             out["tokens"] = self.tokens
         return out
 
+    def begin_pass(self, source: object) -> None:
+        """``source`` has handed out its pass's first batch: its epoch is known now."""
+        epoch = getattr(getattr(source, "_progress", None), "pass_epoch", None)
+        self.epoch = epoch if isinstance(epoch, int) else None
+        # A loader that knows its epoch says which pass this is (a pass resumed mid-way is
+        # the same pass); another iterable counts its passes.
+        self.passes = epoch + 1 if isinstance(epoch, int) else self.passes + 1
+
     def state_dict(self) -> dict[str, int]:
         """The counters a resumed run continues from."""
         return {"samples": self.samples, "tokens": self.tokens, "passes": self.passes}
@@ -75,12 +83,11 @@ def counted(
         for batch in batches:
             if first:  # the source's pass has begun: its epoch is known now
                 first = False
-                epoch = getattr(getattr(source, "_progress", None), "pass_epoch", None)
-                seen.epoch = epoch if isinstance(epoch, int) else None
-                # A loader that knows its epoch says which pass this is (a pass resumed
-                # mid-way is the same pass); another iterable counts its passes.
-                seen.passes = epoch + 1 if isinstance(epoch, int) else seen.passes + 1
-            seen.samples += leading_size(batch) * world
+                seen.begin_pass(source)
+            size = leading_size(batch)
+            seen.samples += size * world
+            if doctor is not None:  # this micro-step's samples: the FLOPs scale by them
+                doctor.step_samples(size)
             if tokens is not None:
                 count = int(tokens(batch))
                 seen.tokens += count * world
@@ -110,18 +117,20 @@ def chunk_weight(step: Any, weight: Any) -> Any:
 
 
 def total_updates(clock: Any, iterable: object, every: int) -> int | None:
-    """The updates at the end of training (``until``'s limits) or of this pass, if known."""
+    """The updates at the end of training (``until``'s limits, the first reached) or of this
+    pass, if known. Called before the pass starts (a resumed pass's place is `resume_at`)."""
     max_updates, max_epochs = LIMITS.get(clock, (None, None))
-    if max_updates is not None:
-        return max_updates
     try:
         batches = len(iterable)  # type: ignore[arg-type]
     except TypeError:
-        return None
+        return max_updates
     per_pass = math.ceil(batches / every)
     if max_epochs is not None:
-        return max_epochs * per_pass
-    # A resumed pass of a distributed.loader starts part-way.
+        by_epochs = max_epochs * per_pass
+        return by_epochs if max_updates is None else min(max_updates, by_epochs)
+    if max_updates is not None:
+        return max_updates
+    # A resumed pass of a distributed.loader starts part-way: iter() clears `resume_at`.
     done_in_pass = getattr(getattr(iterable, "_progress", None), "resume_at", 0)
     return int(clock.updates) + math.ceil(max(batches - done_in_pass, 0) / every)
 
@@ -141,14 +150,16 @@ def iterate(
             f"got {tokens!r}"
         )
     doc, mover = step.doctor, step._mover
+    # Before anything below starts the pass (a generator's iter()): its place is still known.
+    total = total_updates(step.accumulator, iterable, step.accumulator.every) if progress else None
     if doc is None:
         moved: Iterable[T] = (mover(b) for b in iterable)
     else:
         moved = _timed_moves(doc, doc.iterate(iterable), mover)
     if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
-        batches: Iterable[T] = _micro_batch.iterate(step, moved)
+        batches: Iterable[T] = _micro_batch.iterate(step, iterable, moved)
     else:
-        batches = step.accumulator.iterate(moved)
+        batches = step.accumulator._iterate_from(iterable, moved)
     display = None
     if progress and _ranks.world()[0] == 0:
         log = step.log
@@ -156,7 +167,7 @@ def iterate(
             step,
             step.seen.axes,
             (lambda: log.last) if log is not None else dict,
-            total_updates(step.accumulator, iterable, step.accumulator.every),
+            total,
             use_tqdm={True: None, "tqdm": True, "plain": False}[progress],
         )
     return counted(batches, iterable, step.seen, tokens, display, step.doctor)

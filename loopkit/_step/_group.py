@@ -6,10 +6,10 @@ the group drives them together. ``for batch in loopkit.steps(d_step, g_step).ite
 
 - one clock: every member's window ends on the same batches (every ``accumulate``-th, and
   the last one of the loader), also for a member not entered on that batch, whose open
-  window the group closes right after the batch's micro-steps: when ``group.micro_step`` is
-  first read after them (``until.check()``, ``cadence.due()``, ``Checkpointer.maybe_save``
-  read it), or when the loop asks for the next batch. On a batch where no member is entered
-  there are no micro-steps to follow: the group learns where the loop asks (``_Asking``)
+  window the group closes right after the batch's micro-steps: when loop control first asks
+  after them (``until.check()``, ``cadence.due()``, ``Checkpointer.maybe_save`` call
+  ``group.settle()``), or when the loop asks for the next batch. On a batch where no member
+  is entered there are no micro-steps to follow: the group learns where the loop asks (``_Asking``)
   and closes the windows at the read unless the loop asks before its micro-steps;
 - one sync state per batch: every DDP member's model runs under ``no_sync`` for the whole
   iteration when its micro-step will (on a batch that does not end a window, or on any
@@ -27,8 +27,9 @@ import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+from .. import _ranks
 from .._parallel._grad_sync import no_sync, sync_kind
-from . import _compose, _micro_batch, _reach
+from . import _compose, _last_batch, _micro_batch, _reach
 from ._accumulate import accumulate
 from ._window import Window
 
@@ -84,29 +85,32 @@ class steps:
 
     @property
     def micro_step(self) -> int:
-        """The longest open window of a member, in micro-steps (0 between windows).
+        """The longest open window of a member, in micro-steps (0 between windows)."""
+        return max(m.micro_step for m in self.members)
 
-        On a window's last batch, the first read after the batch's micro-steps (none open)
-        closes the windows of the members not entered on that batch, as the group would
-        after the batch: so ``until.check()``, ``cadence.due()`` and
-        ``Checkpointer.maybe_save``, called after the batch's micro-steps, see the boundary.
-        With no member entered on the batch, a read closes every open window too, unless
-        the loop reads it before its micro-steps (at the top of its body: learned from the
-        last batch that had both a read and a micro-step).
-        Read it on every rank alike (a DDP member's window is then all-reduced). A member
-        entered on that batch after the read raises.
+    def settle(self) -> int:
+        """``micro_step`` as loop control reads it: on a window's last batch, after the
+        batch's micro-steps, first close the windows of the members not entered on it.
+
+        ``until.check()``, ``cadence.due()`` and ``Checkpointer.maybe_save``/``save`` call
+        it after the batch's micro-steps, so they see the boundary. With no member entered
+        on the batch, it closes every open window too, unless the loop asks before its
+        micro-steps (at the top of its body: learned from the last batch that had both a
+        call and a micro-step). Call it on every rank alike (a DDP member's window is then
+        all-reduced). A member entered on that batch after it raises.
         """
         asking = self._asking
         if asking.batch is not None:  # inside a batch of iterate()
             entered = asking.read()
             if self._ends:
                 self._close_skipped(entered)
-        return max(m.micro_step for m in self.members)
+        return self.micro_step
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the batches (moved to the first member's device), one window clock for all.
 
-        Looks one batch ahead; a left-over open window (a loop left early) is closed first.
+        The last batch is found as ``step.iterate`` finds it (looked ahead, or counted);
+        a left-over open window (a loop left early) is closed first.
         """
         if any(m.accumulator._inside for m in self.members):
             raise RuntimeError(
@@ -118,23 +122,20 @@ class steps:
     def _iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         self.flush(logs=False)
         mover = self.members[0]._mover
-        it = iter(iterable)
-        try:
-            # Moved as soon as it is taken: the next batch's copy overlaps this one's compute.
-            nxt = mover(next(it))
-        except StopIteration:
-            return
         index = 0
         accs = [m.accumulator for m in self.members]
         by_member = self.members[0].chunks.by_member
+        for acc in accs:
+            acc.iterating += 1
+        world = _ranks.world()[1]
         try:
-            while True:
-                cur = nxt
-                try:
-                    nxt = mover(next(it))
-                    last, self.lookahead = False, 1
-                except StopIteration:
-                    last, self.lookahead = True, 0
+            for cur, last in _last_batch.marked(self, iterable, iterable, mover):
+                # Every member's log axes: the epoch, and the samples of whole batches.
+                samples = _micro_batch.leading_size(cur) * world
+                for m in self.members:
+                    if index == 0:
+                        m.seen.begin_pass(iterable)
+                    m.seen.samples += samples
                 ends = last or (index + 1) % self.every == 0
                 if ends:  # counted as the window's batch begins, so a save in it has its number
                     self.updates += 1
@@ -147,6 +148,7 @@ class steps:
                         acc._final_pending = item_ends
                         acc._closed_by_group = None
                         m.chunks.share = None if m.chunks.size is None or by_member else share
+                        m.chunks.batch_last = j == len(parts)
                     self._ends = item_ends
                     with contextlib.ExitStack() as iteration:
                         # The whole iteration, forwards outside the steps included, runs as
@@ -161,14 +163,15 @@ class steps:
                     self._ends = False
                     if item_ends:
                         self._close_windows()
-                if last:
-                    return
                 index += 1
+            self.flush(logs=False)  # ended before the batch counted last: its window closes
         finally:
+            for acc in accs:
+                acc.iterating -= 1
             for m, acc in zip(self.members, accs, strict=True):
                 acc._final_pending = acc._by_marks = False
                 acc._closed_by_group = None
-                m.chunks.share = None
+                m.chunks.share, m.chunks.batch_last, m.chunks.record = None, True, {}
             self._ends = False
             self._asking.batch = None
             self.lookahead = 0
@@ -182,7 +185,11 @@ class steps:
             m.accumulator._by_marks = True  # windows end at the batch's last chunk
         if size is None or self.members[0].chunks.by_member:
             return [(batch, 1.0)]  # each member splits it (step.split)
-        return _micro_batch.chunks(batch, size)
+        parts = _micro_batch.chunks(batch, size)
+        if len(parts) > 1:
+            for m in self.members:
+                m.chunks.refuse_batch_statistics()
+        return parts
 
     def _close_skipped(self, entered: bool) -> None:
         """On a window's last batch, after its micro-steps: close the members not entered.
@@ -208,9 +215,9 @@ class steps:
             acc._final_pending = False
             acc._closed_by_group = (
                 f"steps[{k}] entered on a window's last batch after the group closed its "
-                f"window there: group.micro_step was read {why} (until.check(), "
-                "cadence.due() and Checkpointer.maybe_save/save read it, which close the "
-                "windows of the members not entered on the batch). Enter every member a "
+                f"window there: loop control asked {why} (until.check(), cadence.due() and "
+                "Checkpointer.maybe_save/save call group.settle(), which close the windows "
+                "of the members not entered on the batch). Enter every member a "
                 "batch trains first, then ask those"
             )
             if acc.micro_step:
@@ -264,7 +271,7 @@ class steps:
 
 
 class _Asking:
-    """Where the loop reads ``group.micro_step`` (loop control) relative to its micro-steps.
+    """Where loop control asks (``group.settle()``) relative to the loop's micro-steps.
 
     A window's last batch on which no member is entered has no micro-steps to follow: a
     read there comes after the loop body's micro-steps (close the open windows now, where
@@ -303,7 +310,7 @@ class _Asking:
         )
 
     def read(self) -> bool:
-        """A read of ``micro_step`` on this batch; whether a member has been entered."""
+        """A ``settle()`` on this batch; whether a member has been entered."""
         entered = self.entered()
         if entered:
             self.after = True

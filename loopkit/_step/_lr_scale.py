@@ -14,9 +14,10 @@ import torch
 
 Rule = Literal["linear", "sqrt"]
 
-# Schedulers whose rates come from their own bounds (max_lr, base_lr ranges) or from
-# metrics, not from base_lrs alone: scaling them here could not be right.
-_REFUSED = ("OneCycleLR", "CyclicLR", "ReduceLROnPlateau")
+# Where schedulers keep rates besides ``base_lrs``: the param groups' keys (OneCycleLR's
+# bounds) and the schedulers' own lists (CyclicLR's peaks, ReduceLROnPlateau's floors).
+_GROUP_RATES = ("initial_lr", "max_lr", "min_lr")
+_SCHEDULER_RATES = ("base_lrs", "max_lrs", "min_lrs")
 
 
 def lr_factor(from_batch: int, to_batch: int, rule: Rule) -> float:
@@ -49,9 +50,11 @@ def scale_lr(
     """Scale the live lr and the scheduler's base lrs by the batch change; return the factor.
 
     ``rule="linear"`` multiplies by ``to_batch / from_batch`` (SGD's rule), ``"sqrt"`` by
-    its square root (often used with Adam). Refused, before anything changes: a scheduler
-    bound to another optimizer, and OneCycleLR, CyclicLR and ReduceLROnPlateau, whose rates
-    do not come from base lrs alone.
+    its square root (often used with Adam). Every rate a scheduler keeps is scaled: its
+    ``base_lrs``, OneCycleLR's ``max_lr``/``min_lr``, CyclicLR's ``max_lrs``,
+    ReduceLROnPlateau's ``min_lrs``, so the schedule is the one built with the scaled rates.
+    Refused, before anything changes: a scheduler bound to another optimizer, or one that
+    keeps no rates loopkit knows (no ``base_lrs`` list).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -60,22 +63,26 @@ def scale_lr(
     factor = lr_factor(from_batch, to_batch, rule)
     subs = [] if scheduler is None else _schedulers(scheduler)
     for sub in subs:
-        kind = type(sub).__name__
-        if kind in _REFUSED or not isinstance(getattr(sub, "base_lrs", None), list):
+        kinds = [k for k in _SCHEDULER_RATES if isinstance(getattr(sub, k, None), list)]
+        if not kinds:
             raise TypeError(
-                f"scale_lr cannot scale a {kind}: its rates come from its own bounds or from "
-                "metrics, not from base_lrs. Build it with the scaled rates instead (e.g. "
-                "OneCycleLR(max_lr=max_lr * factor))"
+                f"scale_lr cannot scale a {type(sub).__name__}: it keeps no base_lrs, so its "
+                "rates are its own. Build it with the scaled rates instead (factor "
+                f"{factor!r})"
             )
         if getattr(sub, "optimizer", optimizer) is not optimizer:
             raise ValueError("the scheduler is bound to a different optimizer than the one given")
     # Everything is checked: now change the rates.
     for group in optimizer.param_groups:
         group["lr"] *= factor
-        if "initial_lr" in group:
-            group["initial_lr"] *= factor
+        for key in _GROUP_RATES:
+            if key in group:
+                group[key] *= factor
     for sub in subs:
-        sub.base_lrs = [lr * factor for lr in sub.base_lrs]
+        for key in _SCHEDULER_RATES:
+            rates = getattr(sub, key, None)
+            if isinstance(rates, list):
+                setattr(sub, key, [lr * factor for lr in rates])
         if hasattr(sub, "_last_lr"):
             sub._last_lr = [g["lr"] for g in optimizer.param_groups]
     return factor

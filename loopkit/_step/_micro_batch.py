@@ -12,6 +12,7 @@ batches would have made: the ragged split 128 -> 48, 48, 32 included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -22,28 +23,135 @@ from torch import nn
 from .. import _ranks
 from .._checks import is_int_at_least
 from .._parallel._grad_sync import no_sync, sync_kind
+from . import _last_batch
 
 T = TypeVar("T")
 
 
+_LEAF = (str, bytes, int, float, complex, bool, type(None))
+"""Values a batch holds per sample in a list (names, ids, labels), or once (a scalar)."""
+
+
+def _is_named(node: object) -> bool:
+    return isinstance(node, tuple) and hasattr(node, "_fields")
+
+
+def _is_per_sample(seq: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a list/tuple is one entry per sample whatever the batch size: of plain values
+    (names, ids), of 0-d tensors, of mappings (a detection target per image), or of tensors
+    of different lengths (variable-length sequences). default_collate makes none of these:
+    it stacks samples into tensors and turns a sample's fields into a list of fields."""
+    first = seq[0]
+    if isinstance(first, _LEAF) or (isinstance(first, torch.Tensor) and first.dim() == 0):
+        return all(isinstance(e, _LEAF) or (isinstance(e, torch.Tensor) and e.dim() == 0)
+                   for e in seq)  # fmt: skip
+    if isinstance(first, Mapping):
+        return all(isinstance(e, Mapping) for e in seq)
+    if isinstance(first, torch.Tensor) and all(
+        isinstance(e, torch.Tensor) and e.dim() >= 1 for e in seq
+    ):
+        return len({int(e.shape[0]) for e in seq}) > 1
+    return False
+
+
+def _votes(node: object, strong: list[int], weak: list[int], ambiguous: bool) -> None:
+    """The batch sizes ``node`` suggests: ``strong`` from what only one reading explains, ``weak``
+    from lists that could be fields or samples (read as fields, as default_collate makes)."""
+    out = weak if ambiguous else strong
+    if isinstance(node, torch.Tensor):
+        if node.dim():
+            out.append(int(node.shape[0]))
+    elif isinstance(node, Mapping):
+        for v in node.values():
+            _votes(v, strong, weak, ambiguous)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            _votes(getattr(node, f.name), strong, weak, ambiguous)
+    elif _is_named(node):
+        for v in node:  # type: ignore[attr-defined]
+            _votes(v, strong, weak, ambiguous)
+    elif isinstance(node, (list, tuple)) and node:
+        if _is_per_sample(node):
+            out.append(len(node))
+            return
+        # Fields of one kind (same-length tensors, lists of lists) could also be samples
+        # that happen to agree: their votes count only if nothing else says.
+        same_kind = all(type(e) is type(node[0]) for e in node)
+        for v in node:
+            _votes(v, strong, weak, ambiguous or same_kind)
+
+
 def leading_size(batch: object) -> int:
-    """The batch's sample count: the leading size of its first tensor (0 if it has none)."""
-    while True:
-        if isinstance(batch, torch.Tensor):
-            return int(batch.shape[0]) if batch.dim() else 1
-        if isinstance(batch, Mapping):
-            batch = next(iter(batch.values()), None)
-        elif isinstance(batch, (list, tuple)) and batch:
-            batch = batch[0]
-        else:
-            return 0
+    """The batch's sample count (0 if nothing in it says): the size most of its parts agree
+    on, read the way default_collate and per-sample lists (names, sequences) lay it out."""
+    return _sample_count(batch) or 0
+
+
+def _sample_count(batch: object) -> int | None:
+    strong: list[int] = []
+    weak: list[int] = []
+    _votes(batch, strong, weak, False)
+    votes = strong or weak
+    if not votes:
+        return None
+    return max(dict.fromkeys(votes), key=votes.count)  # most common; ties: the first seen
+
+
+def _splits(node: object, size: int) -> bool:
+    """Whether something in ``node`` is cut into rows for a batch of ``size`` samples."""
+    if isinstance(node, torch.Tensor):
+        return node.dim() > 0 and int(node.shape[0]) == size
+    if isinstance(node, Mapping):
+        return any(_splits(v, size) for v in node.values())
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return any(_splits(getattr(node, f.name), size) for f in dataclasses.fields(node))
+    if isinstance(node, (list, tuple)) and node:
+        if _is_named(node):
+            return any(_splits(v, size) for v in node)
+        return len(node) == size or any(_splits(v, size) for v in node)
+    return False
+
+
+def _as_samples(seq: list[Any] | tuple[Any, ...], size: int) -> bool:
+    """Whether a list/tuple is cut as one entry per sample (else as fields, or kept whole)."""
+    if len(seq) != size:
+        return False
+    if _is_per_sample(seq):
+        return True
+    # Read as fields, nothing in it would be cut: it is the samples. If both readings fit
+    # (two same-length fields of a batch of two), default_collate's fields win.
+    return not any(_splits(v, size) for v in seq)
+
+
+def take(batch: T, start: int, stop: int, size: int) -> T:
+    """Samples ``start:stop`` of a batch of ``size``: rows of every tensor whose leading size is
+    ``size``, entries of per-sample lists; scalars and other tensors whole in every chunk."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() and batch.shape[0] == size else batch  # type: ignore[return-value]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: take(v, start, stop, size) for k, v in batch.items()})  # type: ignore[call-arg]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        cut = {f.name: take(getattr(batch, f.name), start, stop, size)
+               for f in dataclasses.fields(batch) if f.init}  # fmt: skip
+        return dataclasses.replace(batch, **cut)
+    if isinstance(batch, tuple) and _is_named(batch):
+        return type(batch)(*(take(v, start, stop, size) for v in batch))
+    if isinstance(batch, (list, tuple)) and batch:
+        if _as_samples(batch, size):
+            return batch[start:stop]  # type: ignore[return-value]
+        return type(batch)(take(v, start, stop, size) for v in batch)
+    return batch
 
 
 class Chunks:
     """A step's micro-batching: the chunk size, the current chunk's share, whether iterate is
-    handing out chunks now, and whether the current window must be handed out again."""
+    handing out chunks now, and whether the current window must be handed out again; the
+    log record of the batch being handed out, and the model's batch-statistics layers."""
 
-    __slots__ = ("by_member", "others", "redo", "replaying", "share", "size", "splitting")
+    __slots__ = (
+        "batch_last", "by_member", "norms", "others", "quiet", "record", "redo", "replaying",
+        "share", "size", "splitting",
+    )  # fmt: skip
 
     def __init__(self, size: int | None) -> None:
         check_micro_batch(size)
@@ -54,6 +162,48 @@ class Chunks:
         self.by_member = False  # in a group that splits member by member (see ``split``)
         self.splitting = False  # ``split`` is handing out this step's chunks now
         self.others: list[nn.Module] = []  # the group's other DDP models (quiet while splitting)
+        self.norms: list[tuple[str, nn.Module]] = []  # BatchNorm layers (``watch``)
+        self.batch_last = True  # the chunk handed out now is its batch's last
+        self.quiet = False  # its batch's record was logged before a redo: not again
+        self.record: dict[str, Any] = {}  # the batch's log record, summed over its chunks
+
+    def watch(self, model: nn.Module) -> None:
+        """Remember ``model``'s layers that normalize by the batch's statistics."""
+        if self.size is not None:
+            self.norms = [(n, m) for n, m in model.named_modules()
+                          if isinstance(m, nn.modules.batchnorm._BatchNorm)]  # fmt: skip
+
+    def refuse_batch_statistics(self) -> None:
+        """Refuse to cut a batch that BatchNorm layers normalize by its statistics: each chunk
+        would be normalized by its own, and the update would not be the whole batch's."""
+        busy = [n or "the model" for n, m in self.norms if m.training or m.running_mean is None]
+        if busy:
+            raise RuntimeError(
+                f"micro_batch={self.size} would cut batches that BatchNorm layers ({busy[0]!r}"
+                f"{f' and {len(busy) - 1} more' if len(busy) > 1 else ''}) normalize by their "
+                "statistics in training mode: each chunk would be normalized by its own, so "
+                "the update would not be the whole batch's (nor the running statistics). Use "
+                "smaller loader batches with accumulate= (each micro-batch normalized alone, as "
+                "you tuned it), replace BatchNorm with GroupNorm or LayerNorm, or put those "
+                "layers in eval mode (frozen statistics)"
+            )
+
+    def batch_record(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """The record to log for a micro-step: its own, or, when it is a chunk of a batch, the
+        batch's once its last chunk is done (each metric weighted by the chunk's share of the
+        batch: a per-sample mean comes out as the whole batch's). None: nothing to log now."""
+        share = self.share
+        if share is None:
+            return metrics or None
+        record = self.record
+        for name, value in metrics.items():
+            # A device tensor stays on the device (no host sync); fp32 for the weighted sum.
+            part = (value.float() if isinstance(value, torch.Tensor) else value) * share
+            record[name] = part if name not in record else record[name] + part
+        if not self.batch_last:
+            return None
+        self.record = {}
+        return None if self.quiet or not record else record
 
     def check_entry(self) -> None:
         """Refuse a micro-step on a whole batch where the group wants ``step.split``."""
@@ -81,22 +231,16 @@ def check_micro_batch(micro_batch: object) -> None:
         )
 
 
-def take(batch: T, start: int, stop: int, size: int) -> T:
-    """Rows ``start:stop`` of every tensor in ``batch`` whose leading size is ``size``."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() and batch.shape[0] == size else batch  # type: ignore[return-value]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: take(v, start, stop, size) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(take(v, start, stop, size) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(take(v, start, stop, size) for v in batch)
-    return batch
-
-
 def chunks(batch: T, micro_batch: int) -> list[tuple[T, float]]:
     """``(chunk, its share of the batch)`` for each chunk of at most ``micro_batch`` samples."""
-    size = leading_size(batch)
+    size = _sample_count(batch)
+    if size is None:
+        raise ValueError(
+            f"micro_batch= cannot tell how many samples a batch of {type(batch).__name__} "
+            "holds, so it cannot cut it: hand out tensors with the samples along their first "
+            "dimension (in a tuple, list, dict, namedtuple or dataclass; per-sample lists of "
+            "names or of variable-length tensors are cut with them)"
+        )
     if size <= micro_batch:
         return [(batch, 1.0)]
     return [
@@ -105,7 +249,7 @@ def chunks(batch: T, micro_batch: int) -> list[tuple[T, float]]:
     ]
 
 
-def iterate(step: Any, batches: Iterable[T]) -> Iterator[T]:
+def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
     """``step.iterate`` with ``micro_batch``: each batch in chunks, windows ending at the last
     chunk of every ``accumulate``-th batch and of the pass (one batch looked ahead).
 
@@ -118,32 +262,44 @@ def iterate(step: Any, batches: Iterable[T]) -> Iterator[T]:
         acc.flush()  # a window left open by an earlier pass is closed on its own
     seen, state = step.seen, step.chunks
     window: list[T] = []
+    delivered = 0  # batches of the window whose log record is delivered (kept over a redo)
     at_start = (seen.samples, seen.tokens)
     acc._by_marks = state.replaying = True  # windows end at the marks, not by counting chunks
+    acc.iterating += 1
     try:
-        for batch, last in _looking_ahead(acc, iter(batches)):
+        for batch, last in _last_batch.marked(acc, source, batches):
             window.append(batch)
             ends = last or len(window) == acc.every
             todo = [batch]
             while todo:
                 current = todo.pop(0)
+                index = len(window) - len(todo) - 1  # its place in the window
                 parts = chunks(current, state.size)
+                if len(parts) > 1:
+                    state.refuse_batch_statistics()  # before any of its chunks runs
+                state.quiet = index < delivered
                 for j, (chunk, share) in enumerate(parts, start=1):
                     if ends and current is window[-1] and j == len(parts):
                         acc._final_pending = True
                     state.share, state.redo = share, False
+                    state.batch_last = j == len(parts)
                     yield chunk
                     if state.redo:  # its micro-step ran out of memory: the window again
                         seen.samples, seen.tokens = at_start
                         todo = list(window)
                         break
+                else:
+                    delivered = max(delivered, index + 1)
             if ends:
-                window, at_start = [], (seen.samples, seen.tokens)
+                window, at_start, delivered = [], (seen.samples, seen.tokens), 0
+        if acc._window.micro and not acc._inside:  # ended before the batch counted last
+            acc.flush()
     finally:
+        acc.iterating -= 1
         acc._by_marks = state.replaying = False
         acc._final_pending = False
         acc.lookahead = 0
-        state.share = None
+        state.share, state.batch_last, state.quiet, state.record = None, True, False, {}
 
 
 def split(step: Any, batch: T) -> Iterator[T]:
@@ -169,6 +325,8 @@ def split(step: Any, batch: T) -> Iterator[T]:
         raise RuntimeError("step.split(batch) inside `with step:`: loop over it around `with`")
     ends = acc._final_pending
     parts = [(batch, 1.0)] if state.size is None else chunks(batch, state.size)
+    if len(parts) > 1:
+        state.refuse_batch_statistics()
     ddp = sync_kind(step.model) == "ddp"
     state.splitting = True
     try:
@@ -176,6 +334,7 @@ def split(step: Any, batch: T) -> Iterator[T]:
             last = j == len(parts)
             acc._final_pending = ends and last
             state.share = None if state.size is None else share
+            state.batch_last = last
             with contextlib.ExitStack() as quiet:
                 # A chunk that does not end the window skips DDP's all-reduce, its forward
                 # too; the other members' models forward here without preparing one (a
@@ -184,37 +343,26 @@ def split(step: Any, batch: T) -> Iterator[T]:
                     quiet.enter_context(no_sync(step.model))
                 for other in state.others:
                     quiet.enter_context(no_sync(other))
+                if step.doctor is not None:  # this chunk's samples: the FLOPs scale by them
+                    step.doctor.step_samples(leading_size(part))
                 yield part
     finally:
-        state.splitting, state.share = False, None
+        state.splitting, state.share, state.batch_last, state.record = False, None, True, {}
         acc._final_pending = False  # a loop left early: the group closes the window
-
-
-def _looking_ahead(acc: Any, it: Iterator[T]) -> Iterator[tuple[T, bool]]:
-    """``(batch, whether it is the pass's last)``, one batch fetched ahead (``acc.lookahead``)."""
-    try:
-        nxt = next(it)
-    except StopIteration:
-        return
-    while True:
-        cur = nxt
-        try:
-            nxt = next(it)
-        except StopIteration:
-            acc.lookahead = 0
-            yield cur, True
-            return
-        acc.lookahead = 1
-        yield cur, False
 
 
 def recovered(step: Any, exc: BaseException | None) -> bool:
     """Whether ``exc``, raised in a micro-step, was an out-of-memory error the chunks can
     shrink away from: then the window is dropped and redone in halves (one process)."""
     state = step.chunks
-    if exc is None or not state.replaying or not isinstance(exc, Exception):
+    # An out-of-memory error is a RuntimeError (torch.OutOfMemoryError is one): anything
+    # else is the user's and comes out unchanged, with nothing imported on its way.
+    if exc is None or not state.replaying or not isinstance(exc, RuntimeError):
         return False
-    memory: Any = importlib.import_module("accelerate.utils.memory")
+    try:
+        memory: Any = importlib.import_module("accelerate.utils.memory")
+    except ImportError:  # a broken install must not replace the user's error
+        return False
     if not memory.should_reduce_batch_size(exc):
         return False
     if _ranks.is_multi_rank():
@@ -232,6 +380,7 @@ def recovered(step: Any, exc: BaseException | None) -> bool:
     acc._window = type(acc._window)()
     acc._guard.window_closed()
     acc._final_pending = False
+    state.record = {}  # the failed batch's chunks so far: its redo logs it whole
     memory.clear_device_cache(garbage_collection=True)
     state.size, state.redo = max(1, state.size // 2), True
     return True

@@ -152,15 +152,19 @@ def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 class _LeftOpen:
     """What the finalizer of a step reads: micro-steps of its open window, and where."""
 
-    __slots__ = ("every", "micro", "where")
+    __slots__ = ("errors", "every", "micro", "where")
 
     def __init__(self, every: int) -> None:
         self.micro = 0
         self.where: tuple[Any, ...] | None = None  # (code, line) pairs; formatted if reported
         self.every = every
+        self.errors = 0  # micro-steps that had raised, anywhere, as its last one began
 
     def report(self) -> None:
-        if self.micro:
+        # A window left open by an error (in any step's micro-step since its last one, or
+        # uncaught and printed at exit: sys.last_value) is the error's consequence, not a
+        # mistake of the loop: the error itself says what happened.
+        if self.micro and self.errors == _ERRORS[0] and getattr(sys, "last_value", None) is None:
             warnings.warn(
                 f"{self.micro} micro-step(s) of a loopkit.step/accumulate (accumulate="
                 f"{self.every}, window opened at {_code_line(self.where)}) never became an "
@@ -175,7 +179,8 @@ class Guard:
     """One step's watch over the code around it; the per-window part resets together."""
 
     __slots__ = (
-        "_left", "_marks", "_owner", "_pass", "_sched_at", "grads", "optimizer", "scheduler",
+        "__weakref__", "_left", "_marks", "_owner", "_pass", "_sched_at", "grads", "optimizer",
+        "scheduler",
     )  # fmt: skip
 
     def __init__(
@@ -194,8 +199,11 @@ class Guard:
         self.grads = kind in ("none", "ddp") and every > 1
         self._marks: tuple[tuple[torch.Tensor, Any, int], ...] = ()
         self._pass: Pass | None = None
-        self._sched_at = getattr(scheduler, "last_epoch", None)
+        # Read as the step's first window opens, where the scheduler becomes the step's to
+        # step: a restore before that (the user's load_state_dict) is no foreign step.
+        self._sched_at: Any = None
         self._left = _LeftOpen(every)
+        _GUARDS.add(self)
         weakref.finalize(owner, self._left.report)
         self._owner = weakref.ref(owner)
         if kind == "none" and _ranks.is_multi_rank():
@@ -209,20 +217,30 @@ class Guard:
                 frame,
             )
 
-    def entered(self, micro: int) -> None:
-        """A micro-step was entered; ``micro`` counts it (1 opens the window)."""
+    def entered(self, micro: int, by_iterate: bool = False) -> None:
+        """A micro-step was entered; ``micro`` counts it (1 opens the window).
+
+        ``by_iterate``: the loop is driven by the step's ``iterate``, which closes a window
+        at the end of what it is given; a window that spans a loader's passes there was
+        handed out so by the loop's own iterable (passes chained for an iteration-based
+        run), and is no mistake to warn about."""
         latest = Pass.latest
         if micro == 1:
             # The optimizer is the step's from its first window on (a step built and never
             # entered leaves it to the loop).
             if not owns(self.optimizer, self._owner):
                 claim(self.optimizer, self._owner)
+            if self._sched_at is None and self.scheduler is not None:
+                self._sched_at = getattr(self.scheduler, "last_epoch", None)
             self._pass = latest
             # Where the window opened, for a report at exit: the callers' code and lines,
             # sorted out only if it is reported (no walk up the stack per window).
-            f2 = sys._getframe(2)
-            f3 = f2.f_back
-            self._left.where = (f2.f_code, f2.f_lineno, *((f3.f_code, f3.f_lineno) if f3 else ()))
+            where: list[Any] = []
+            frame: FrameType | None = sys._getframe(2)
+            while frame is not None and len(where) < 10:  # 5 callers: a step's own included
+                where += (frame.f_code, frame.f_lineno)
+                frame = frame.f_back
+            self._left.where = tuple(where)
         elif (
             latest is not None
             and self._pass is not None
@@ -230,16 +248,23 @@ class Guard:
             and latest.loader_id == self._pass.loader_id
         ):
             self._pass = latest
-            frame = user_frame()
-            _warn(
-                f"a window of loopkit.step/accumulate spans two passes over the same loader "
-                f"({_where(frame)}): the {micro - 1} micro-step(s) left from the last pass are "
-                "joined with this pass's, so windows no longer end with the epoch. Loop over "
-                "step.iterate(loader) instead of the loader itself",
-                OpenWindowWarning,
-                frame,
-            )
+            if not by_iterate:
+                frame = user_frame()
+                _warn(
+                    f"a window of loopkit.step/accumulate spans two passes over the same "
+                    f"loader ({_where(frame)}): the {micro - 1} micro-step(s) left from the "
+                    "last pass are joined with this pass's, so windows no longer end with the "
+                    "epoch. Loop over step.iterate(loader) instead of the loader itself",
+                    OpenWindowWarning,
+                    frame,
+                )
         self._left.micro = micro
+        self._left.errors = _ERRORS[0]
+
+    @staticmethod
+    def raised() -> None:
+        """A micro-step is ending in an exception: windows open now are left by an error."""
+        _ERRORS[0] += 1
 
     def backward_done(self, params: list[torch.Tensor]) -> None:
         """Remember the sentinels' gradients as loopkit's own backward left them."""
@@ -298,5 +323,16 @@ class Guard:
             self._sched_at = getattr(self.scheduler, "last_epoch", None)
 
     def forget_schedule(self) -> None:
-        """A resume moves the scheduler: read its position afresh at the next window end."""
+        """A resume moves the scheduler: read its position afresh as the next window opens."""
         self._sched_at = None
+
+
+_GUARDS: weakref.WeakSet[Guard] = weakref.WeakSet()
+_ERRORS = [0]  # micro-steps of any step that ended in an exception, in this process
+
+
+def resumed() -> None:
+    """A Checkpointer restored a run: every step's scheduler may have been moved (saved under
+    the Checkpointer's ``scheduler=`` or ``extra=``, not with the step), by no step() call."""
+    for guard in list(_GUARDS):
+        guard.forget_schedule()

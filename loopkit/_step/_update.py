@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -88,25 +88,33 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def check_ema(ema: object, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an ``ema=`` that is not a loopkit.ema of parameters this optimizer updates."""
+def check_emas(ema: object, optimizer: torch.optim.Optimizer) -> tuple[_average.ema, ...]:
+    """The averages an ``ema=`` names (one, or a list of several decays), each checked to be
+    a loopkit.ema of parameters this optimizer updates."""
     if ema is None:
-        return
-    if not isinstance(ema, _average.ema):
-        raise TypeError(f"ema must be a loopkit.ema(model), got {type(ema).__name__}")
-    if ema.owner is not None:
-        raise ValueError(
-            f"this ema is already updated by another {type(ema.owner).__name__}: give each "
-            "ema to one step (build one ema per model)"
-        )
+        return ()
+    given: list[object] = list(ema) if isinstance(ema, (list, tuple)) else [ema]
+    emas: list[_average.ema] = []
+    for e in given:
+        if isinstance(e, _average.ema):
+            emas.append(e)
+        else:
+            raise TypeError(
+                f"ema must be a loopkit.ema(model) or a list of them (several decays), got "
+                f"{type(e).__name__}"
+            )
+    if len({id(e) for e in emas}) != len(emas):
+        raise ValueError("the same ema is given twice: each average is updated once per update")
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    stray = [n for n, p in zip(ema._names, ema._params, strict=True) if id(p) not in stepped]
-    if stray:
-        more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
-        raise ValueError(
-            f"the ema averages {stray[0]!r}{more}, which this step's optimizer does not "
-            "update: build the ema on the model this step trains"
-        )
+    for e in emas:
+        stray = [n for n, p in zip(e._names, e._params, strict=True) if id(p) not in stepped]
+        if stray:
+            more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+            raise ValueError(
+                f"the ema averages {stray[0]!r}{more}, which this step's optimizer does not "
+                "update: build the ema on the model this step trains"
+            )
+    return tuple(emas)
 
 
 class UpdateRule:
@@ -119,7 +127,7 @@ class UpdateRule:
         amp: autocast_step | None,
         clip_grad_norm: float | None,
         scheduler: Any,
-        ema: _average.ema | None = None,
+        ema: _average.ema | Sequence[_average.ema] | None = None,
         skip_nonfinite: bool,
         max_consecutive_skips: int | None,
         kind: SyncKind,
@@ -132,10 +140,12 @@ class UpdateRule:
             or clip_grad_norm <= 0
         ):
             raise ValueError(
-                f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}"
+                f"clip_grad_norm must be a positive finite number or None, got "
+                f"{clip_grad_norm!r} (the norm is measured at every update without clipping "
+                "too: read step.grad_norm and leave clip_grad_norm= out)"
             )
         check_scheduler(scheduler, optimizer)
-        check_ema(ema, optimizer)
+        emas = check_emas(ema, optimizer)
         if amp is not None and not isinstance(amp, autocast_step):
             raise TypeError(
                 f"amp must be a loopkit.autocast_step (it carries the fp16 GradScaler), got "
@@ -153,7 +163,8 @@ class UpdateRule:
         self.fp16 = amp is not None and amp.scaler is not None
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.scheduler = scheduler
-        self.ema: _average.ema | None = ema
+        self.emas = emas
+        """The averages updated after each real update (``ema=``: one or several)."""
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.kind: SyncKind = kind
@@ -176,10 +187,15 @@ class UpdateRule:
                 if isinstance(factor, torch.Tensor):
                     factor = factor.to(grads[0].device)
                 torch._foreach_mul_(grads, factor)
-        # 3. Clip. Returns a device tensor: no host sync (non-finite norms are left to the
-        #    fp16 skip or the non-finite guard, not raised).
+        # 3. Clip, or only measure: the total norm is a device tensor either way, no host
+        #    sync (non-finite norms are left to the fp16 skip or the non-finite guard, not
+        #    raised). ``params`` are in the model's order, as the hand loop's
+        #    clip_grad_norm_(model.parameters(), ...) sums them: the same bits.
         if self.clip_grad_norm is not None:
             progress.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            progress.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         # 4. Guard and step: fp16's scaler skips inf/nan by itself, the guard does for
         #    bf16/fp32; both decide alike on every rank.
         if amp is not None and amp.scaler is not None:
@@ -203,8 +219,8 @@ class UpdateRule:
             progress.consecutive_skips = 0
             if self.scheduler is not None:
                 self.scheduler.step()
-            if self.ema is not None:
-                self.ema.advance()  # averaged once per real update (every= counts these)
+            for average in self.emas:
+                average.advance()  # averaged once per real update (every= counts these)
             return True
         progress.skipped += 1
         if self._skip_counts(window):
@@ -219,9 +235,9 @@ class UpdateRule:
         return False
 
     def claim_ema(self, owner: object) -> None:
-        """The ema is updated by ``owner`` from now on (after everything else was checked)."""
-        if self.ema is not None:
-            self.ema.owner = owner
+        """The averages are updated by ``owner`` from now on (after everything was checked)."""
+        for average in self.emas:
+            average.given_to(owner)
 
     def loss_bad(self, window: Window) -> torch.Tensor:
         """A 0-d bool, the same on every rank: whether any rank's window had a non-finite loss.
@@ -235,10 +251,9 @@ class UpdateRule:
         return _ranks.any_(bad, self.group) if self.kind != "none" else bad
 
     def _finite(self, params: list[torch.Tensor], window: Window, progress: Progress) -> bool:
-        norm = progress.grad_norm if self.clip_grad_norm is not None else None
+        norm = progress.grad_norm  # measured at step 3 of this update
         if norm is None:
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            norm = torch.zeros(())
         # The norm is the same on every rank, its loss is not: a non-finite loss on one rank
         # skips the update everywhere.
         ok = torch.isfinite(norm) & ~self.loss_bad(window).to(norm.device)

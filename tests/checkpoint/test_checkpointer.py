@@ -794,3 +794,147 @@ def test_save_if_needed_saves_a_window_skipped_since_the_last_save(
     saved = torch.load(ckpt.checkpoints()[-1], weights_only=True)
     assert saved["step"]["accumulate"]["skipped"] == 1
     assert ckpt.maybe_save(every=1) is None and ckpt.save_if_needed() is None  # nothing new
+
+
+class _WithBlock(nn.Module):
+    """A model one of whose blocks is compiled on its own (its keys gain ``_orig_mod.``)."""
+
+    def __init__(self, compile_block: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.block = torch.compile(block) if compile_block else block
+        self.head = nn.Linear(8, 1)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))  # type: ignore[no-any-return]
+
+
+def _wrapped(how: str, compile_block: bool = False) -> nn.Module:
+    model: nn.Module = _WithBlock(compile_block)
+    for layer in how.split("+") if how else []:
+        model = (
+            torch.compile(model)
+            if layer == "compile"
+            else nn.parallel.DistributedDataParallel(model)
+        )
+    return model
+
+
+@pytest.mark.parametrize(
+    "saved_as,resumed_as",
+    [("compile", ""), ("", "compile"), ("compile+ddp", ""), ("compile+ddp", "ddp+compile"),
+     ("ddp", "compile+ddp"), ("ddp+compile", "")],
+)  # fmt: skip
+def test_a_checkpoint_does_not_depend_on_the_wrapping(
+    saved_as: str, resumed_as: str, tmp_path: Path, process_group: None
+) -> None:
+    """Saved keys are the user's module's (no module., no _orig_mod. at any level): a model
+    saved compiled, under DDP, in either order, or with a compiled block, resumes bit for bit
+    into any other wrapping of the same model."""
+    for block in (False, True):
+        saved = _wrapped(saved_as, compile_block=block)
+        with torch.no_grad():
+            for p in saved.parameters():
+                p.add_(torch.randn_like(p))
+        path = loopkit.Checkpointer(tmp_path / f"{saved_as}-{block}", model=saved).save()
+        assert path is not None
+        keys = loopkit.load_checkpoint(path)["model"].keys()
+        assert sorted(keys) == [
+            "block.0.bias",
+            "block.0.weight",
+            "head.bias",
+            "head.weight",
+            "seen",
+        ]
+        resumed = _wrapped(resumed_as, compile_block=not block)
+        loopkit.Checkpointer(tmp_path / f"{saved_as}-{block}", model=resumed).resume()
+        assert_bit_equal(list(resumed.parameters()), list(saved.parameters()))
+
+
+def test_a_checkpoint_written_with_the_ddp_prefix_still_resumes(
+    tmp_path: Path, process_group: None
+) -> None:
+    """A file from before (keys module.* of a DDP model) resumes into DDP and into one process."""
+    saved = _wrapped("ddp")
+    ckpt = loopkit.Checkpointer(tmp_path, model=saved)
+    path = ckpt.save()
+    assert path is not None
+    state = torch.load(path, weights_only=True)
+    state["model"] = {f"module.{k}": v for k, v in state["model"].items()}
+    torch.save(state, path)
+    for how in ("ddp", "", "compile+ddp"):
+        resumed = _wrapped(how)
+        with torch.no_grad():
+            for p in resumed.parameters():
+                p.zero_()
+        loopkit.Checkpointer(tmp_path, model=resumed).resume(path)
+        assert_bit_equal(list(resumed.parameters()), list(saved.parameters()))
+
+
+def _adam_run(directory: Path, stop: int | None, group: bool = False) -> list[nn.Module]:
+    """AdamW under a step (or a two-member group) checkpointed with no optimizer=."""
+    torch.manual_seed(0)
+    models = [mlp(), mlp(seed=1)] if group else [mlp()]
+    steps = [loopkit.step(m, torch.optim.AdamW(m.parameters(), lr=1e-2), accumulate=2)
+             for m in models]  # fmt: skip
+    stepper: Any = loopkit.steps(*steps) if group else steps[0]
+    ckpt = loopkit.Checkpointer(directory, model=nn.ModuleList(models), step=stepper)
+    ckpt.resume()
+    data = batches([4] * 12)[2 * stepper.updates :]
+    for batch in stepper.iterate(data):
+        for m, s in zip(models, steps, strict=True):
+            with s as st:
+                st.backward(loss_fn(m, batch))
+        ckpt.maybe_save(every=1)
+        if stop is not None and stepper.updates == stop:
+            break
+    return models
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_the_steps_optimizer_is_saved_without_optimizer_given(tmp_path: Path, group: bool) -> None:
+    """Checkpointer(model=, step=) saves the step's optimizer (each member's in a group): a
+    resume continues AdamW's moments, bit-identical to the uninterrupted run."""
+    whole = _adam_run(tmp_path / "a", None, group)
+    _adam_run(tmp_path / "b", 3, group)
+    resumed = _adam_run(tmp_path / "b", None, group)
+    for a, b in zip(whole, resumed, strict=True):
+        assert_bit_equal(list(a.parameters()), list(b.parameters()))
+
+
+def test_a_file_without_the_steps_optimizer_still_resumes_and_says_so(tmp_path: Path) -> None:
+    """A checkpoint written before the step's optimizer was saved by default loads the rest,
+    and warns that the optimizer keeps its state."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = loopkit.step(model, opt)
+    path = loopkit.Checkpointer(tmp_path, model=model, step=step).save()
+    assert path is not None
+    state = torch.load(path, weights_only=True)
+    del state["optimizer"], state["optimizer_shapes"]
+    torch.save(state, path)
+    fresh = mlp(seed=5)
+    step2 = loopkit.step(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    with pytest.warns(UserWarning, match="no 'optimizer' state"):
+        loopkit.Checkpointer(tmp_path, model=fresh, step=step2).resume()
+    assert_bit_equal(list(fresh.parameters()), list(model.parameters()))
+
+
+def test_another_optimizer_given_beside_the_steps_keeps_both(tmp_path: Path) -> None:
+    """optimizer= naming another optimizer than the step's: both are saved and resumed."""
+    model, head = mlp(), nn.Linear(1, 1)
+    opt_head = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for batch in step.iterate(batches([4, 4])):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+        head(torch.ones(1, 1)).sum().backward()
+        opt_head.step()
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, optimizer=opt_head, step=step)
+    path = ckpt.save()
+    assert path is not None
+    saved = loopkit.load_checkpoint(path)
+    assert {"optimizer", "step.optimizer"} <= set(saved)
+    assert saved["step.optimizer"]["state"] and saved["optimizer"]["state"]

@@ -261,3 +261,83 @@ def test_a_step_scheduler_a_checkpoint_cannot_hold_is_named_and_left_out(tmp_pat
         s.backward(again(batch).pow(2).mean())
     pairs = zip(model.parameters(), again.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def _logged_group(directory: Path, *, logged: bool = True, sinks: int = 1) -> dict[str, Any]:
+    """A two-step group whose first step has its own log= (a CSVSink, every 3 micro-steps of
+    accumulate=2: flushes fall between updates); the Checkpointer has step= and no extra=."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    csv_sinks: list[Any] = [loopkit.CSVSink(directory / f"m{i}.csv") for i in range(sinks)]
+    log = loopkit.detach_logging(every=3, sink=csv_sinks) if logged else None
+    group = loopkit.steps(loopkit.step(a, opt_a, accumulate=2, log=log),
+                          loopkit.step(b, opt_b, accumulate=2))  # fmt: skip
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    )
+    loader = distributed.loader(data, batch_size=4, num_workers=0, seed=0)  # 6 updates
+    ckpt = loopkit.Checkpointer(directory / "ck", model=nn.ModuleList([a, b]), step=group,
+                                loader=loader, extra={"opt_a": opt_a, "opt_b": opt_b})  # fmt: skip
+    return {"models": (a, b), "group": group, "log": log, "ckpt": ckpt, "loader": loader}
+
+
+def _train_group(run: dict[str, Any], kill_at: int | None = None) -> None:
+    """One pass of both members' micro-steps; a kill leaves at update ``kill_at`` unclosed."""
+    a, b = run["models"]
+    first, second = run["group"].members
+    for _ in range(run["loader"].epoch, 1):
+        for (x,) in run["group"].iterate(run["loader"]):
+            with first as s:
+                s.backward(a(x).pow(2).mean())
+            with second as s:
+                s.backward(b(x).abs().mean())
+            run["ckpt"].maybe_save(every=2)
+            if run["group"].updates == kill_at and run["group"].micro_step == 0:
+                return
+    if run["log"] is not None:
+        run["log"].close()
+
+
+def test_a_group_members_own_log_resumes_with_the_step(tmp_path: Path) -> None:
+    """Checkpointer(step=group) with no extra=: the member's log (its cadence, unflushed values
+    and CSV run) resumes from the save at update 4, killed at 5: the uninterrupted CSV."""
+    whole = _logged_group(tmp_path / "whole")
+    _train_group(whole)
+    first = _logged_group(tmp_path / "parts")
+    _train_group(first, kill_at=5)
+    saved = loopkit.load_checkpoint(first["ckpt"].checkpoints()[-1])
+    assert saved["step"]["steps"][0]["log"]["since_flush"] == 2
+    assert "log" not in saved["step"]["steps"][1]
+    second = _logged_group(tmp_path / "parts")
+    second["ckpt"].resume()
+    _train_group(second)
+    rows = (tmp_path / "whole" / "m0.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4 and (tmp_path / "parts" / "m0.csv").read_text().splitlines() == rows
+
+
+def test_a_missing_or_unused_log_state_is_no_error(tmp_path: Path) -> None:
+    """Logging is not training state: saved without the log, resumed with one (the log
+    starts afresh); saved with it, resumed without a log (ignored). Both resume the step."""
+    for saved_with, resumed_with in ((False, True), (True, False)):
+        directory = tmp_path / str(saved_with)
+        run = _logged_group(directory, logged=saved_with)
+        _train_group(run, kill_at=2)
+        again = _logged_group(directory, logged=resumed_with)
+        assert again["ckpt"].resume() is not None
+        assert again["group"].updates == 2
+        assert again["log"] is None or (again["log"].step == 0 and again["log"]._values == {})
+
+
+def test_a_step_log_state_for_other_sinks_is_refused_before_anything_loads(
+    tmp_path: Path,
+) -> None:
+    """The step's log built with other sinks than when saving: CheckpointError naming the fix,
+    and nothing loaded (weights, counters, the log's count)."""
+    _train_group(_logged_group(tmp_path), kill_at=2)
+    run = _logged_group(tmp_path, sinks=2)
+    before = params(run["models"][0]) + params(run["models"][1])
+    with pytest.raises(loopkit.CheckpointError, match="same sinks, in the same order"):
+        run["ckpt"].resume()
+    assert_bit_equal(before, params(run["models"][0]) + params(run["models"][1]))
+    assert run["group"].updates == 0 and run["log"].step == 0

@@ -122,6 +122,30 @@ def test_the_steps_autocast_and_device() -> None:
     assert dtypes == [torch.bfloat16, torch.bfloat16]
 
 
+def test_inside_an_entered_bf16_step_evaluate_keeps_its_own_precision() -> None:
+    """Called before s.backward (the step's bf16 autocast on): the result outside the step,
+    bit for bit (fp32 by default, or bf16 of its own), and the step's autocast on after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    loader = torch.utils.data.DataLoader(_data(9), batch_size=4)
+    fp16 = torch.float16
+    alone = [loopkit.evaluate(model, loader, per_sample, precision=p) for p in ("fp32", fp16)]
+    x, y = _data(5).tensors
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # any enclosing autocast, not a step's
+        assert loopkit.evaluate(model, loader, per_sample).sums == alone[0].sums
+        assert model(x).dtype == torch.bfloat16
+    with step as s:
+        inside = [loopkit.evaluate(model, loader, per_sample, precision=p) for p in (None, fp16)]
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        out = model(x)  # the step's forward after the evaluation: still bf16
+        s.backward((out.float() - y).pow(2).mean())
+    assert out.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+    assert [r.sums for r in inside] == [r.sums for r in alone]
+    assert inside[0].sums != inside[1].sums  # fp32 and fp16 differ: the precision is seen
+
+
 def test_ddp_is_unwrapped(process_group: None) -> None:
     """A DDP model's own forward (reducer, buffer broadcast) never runs; its module's does."""
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 1), nn.BatchNorm1d(1)))
@@ -295,8 +319,13 @@ import sys, torch, loopkit, accelerate
 from torch import nn
 torch.manual_seed(0)
 acc = accelerate.Accelerator(cpu=True)
-data = torch.utils.data.TensorDataset(torch.randn(7, 4), torch.randn(7, 1))
+# Small integers and dyadic weights: every float32 value is exact, however it is batched.
+data = torch.utils.data.TensorDataset(torch.randint(-3, 4, (7, 4)).float(),
+                                      torch.randint(-3, 4, (7, 1)).float())
 model = nn.Linear(4, 1)
+with torch.no_grad():
+    model.weight.copy_(torch.tensor([[1.0, -2.0, 0.5, 3.0]]))
+    model.bias.fill_(0.25)
 def per_sample(m, b):
     x, y = b
     return {"loss": (m(x) - y).pow(2).mean(1)}

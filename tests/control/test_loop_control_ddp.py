@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_loop_control_worker import bn_model, eval_model, per_sample, seven_samples
+from dist_loop_control_worker import Centered, bn_model, eval_model, per_sample, seven_samples
 from helpers import launch_scenarios
 
 import loopkit
@@ -106,6 +106,27 @@ def test_evaluate_pools_the_metric_of_rank_zeros_model(results: Any) -> None:
         assert any(not torch.equal(v, a[kind]["rank_zero_state"][k]) for k, v in rank1.items())
         assert a[kind]["collectives"]["broadcast"] == 3  # BatchNorm's 3 buffers
         assert a[kind]["collectives"]["all_gather_object"] == 2  # buffer shapes, results
+
+
+def test_evaluate_takes_rank_zeros_non_persistent_buffers_and_puts_each_ranks_back(
+    results: Any,
+) -> None:
+    """Buffers with persistent=False differ per rank: the sums are one process's over rank 0's
+    model (its non-persistent buffers too), and every rank keeps its own, bit for bit."""
+    a, b = results["evaluate_with_rank_zero_non_persistent_buffers"]
+    assert not torch.equal(a["buffers"]["center"], b["buffers"]["center"])  # trained apart
+    assert a["buffers"]["seen"] == 3 and b["buffers"]["seen"] == 4
+    saved = Centered()
+    saved.load_state_dict(a["weights"])
+    for name, value in a["buffers"].items():
+        getattr(saved, name).copy_(value)  # not in the state_dict: set by hand
+    one = loopkit.evaluate(saved, torch.utils.data.DataLoader(seven_samples(), batch_size=2),
+                           per_sample)  # fmt: skip
+    assert a["sums"] == b["sums"] and a["samples"] == b["samples"] == 7
+    for name, total in one.sums.items():
+        assert abs(a["sums"][name] - total) <= 1e-12 * max(1.0, abs(total)), name
+    assert a["buffers_kept"] and b["buffers_kept"] and a["training"] and b["training"]
+    assert a["collectives"] == {"all_gather_object": 2, "broadcast": 2}  # shapes, results
 
 
 def test_a_stop_on_an_epochs_last_batch_resumes_exactly_on_every_rank(results: Any) -> None:

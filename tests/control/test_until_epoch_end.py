@@ -221,21 +221,71 @@ def test_until_and_its_checkpointer_must_follow_the_same_step(tmp_path: Path, gi
     assert "until" not in ckpt.pieces and signal.getsignal(signal.SIGTERM) == before
 
 
-def test_a_deferred_stop_is_written_once_without_a_step(tmp_path: Path) -> None:
-    """No step, a stop on a pass's last batch: written when the next pass starts, not again
-    at close() (a loop that goes on to the next pass, then leaves)."""
-    model, opt, (_, sched), (loader, ckpt) = _epoch_limited(tmp_path, False)
+def test_a_stop_in_a_loop_nothing_ends_is_written_at_once_and_resumes_its_epoch_code(
+    tmp_path: Path,
+) -> None:
+    """No step, no epochs(), no `with until`: a stop on a pass's last batch is written at once
+    (a deferred save could never be written), marked as before the epoch's own code; close()
+    writes nothing more; a resume runs that code (the scheduler's epoch step) before the next
+    pass, so the run continues as the uninterrupted one."""
+    model, opt, _, (loader, ckpt) = _epoch_limited(tmp_path, False)
     stop = loopkit.until(max_updates=BATCHES, signals=(), checkpointer=ckpt)
     for _ in loader:
         opt.zero_grad()
         _loss(model, *_data()).backward()
         opt.step()
-        stop.check()
-    assert stop.reason == "max_updates" and ckpt.save_pending and ckpt.checkpoints() == []
-    sched.step()
-    next(iter(loader))  # the next pass starts: the save is written before its first batch
+        if stop.check():
+            break
+    assert stop.reason == "max_updates" and not ckpt.save_pending
     assert [p.name for p in ckpt.checkpoints()] == ["ckpt-0000000001.pt"]
     stop.close()
     assert [p.name for p in ckpt.checkpoints()] == ["ckpt-0000000001.pt"]
     saved = loopkit.load_checkpoint(ckpt.checkpoints()[0])
-    assert saved["scheduler"]["last_epoch"] == 1 and saved["until"]["calls"] == BATCHES
+    assert saved["scheduler"]["last_epoch"] == 0 and saved["until"]["calls"] == BATCHES
+    assert saved["loader"]["epoch_open"] is True
+    _, _, (_, sched2), (loader2, ckpt2) = _epoch_limited(tmp_path, False)
+    loopkit.until(max_updates=2 * BATCHES, signals=(), checkpointer=ckpt2)
+    ckpt2.resume()
+    assert loader2.epoch == 0 and list(loader2) == []  # the epoch's pass: no batch left
+    sched2.step()  # the epoch's own code runs in the resumed run
+    assert loader2.epoch == 1 and sched2.last_epoch == 1
+
+
+def _unmanaged_run(directory: Path, stop_at: int | None) -> tuple[torch.Tensor, float, list[str]]:
+    """A loop with until but neither epochs() nor `with until`: the epoch's code steps the
+    scheduler and draws from the RNG after the inner loop."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    loader = distributed.loader(data, batch_size=4, num_workers=0, seed=3)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    step = loopkit.step(model, opt, accumulate=2)
+    ckpt = loopkit.Checkpointer(directory, model=model, optimizer=opt, scheduler=sched,
+                                step=step, loader=loader)  # fmt: skip
+    stop = loopkit.until(step, max_updates=stop_at or 100, signals=(), checkpointer=ckpt)
+    ckpt.resume()
+    noise = torch.zeros(1)
+    for _ in range(loader.epoch, 3):
+        for x, y in step.iterate(loader):
+            with step as s:
+                s.backward(_loss(model, x, y))
+            if stop.check():
+                break
+        if stop.reason is not None:
+            break
+        sched.step()
+        noise = torch.rand(1)
+    names = [p.name for p in ckpt.checkpoints()]
+    return model.weight.detach().clone(), float(noise), names
+
+
+@pytest.mark.parametrize("stop_at", [4, 3, 8])  # a pass's last window, mid-pass, another end
+def test_a_stop_in_a_loop_nothing_ends_resumes_bit_identical(tmp_path: Path, stop_at: int) -> None:
+    """The stop's checkpoint is written (none was, at a pass's end), and the resumed run ends
+    bit-identical to the uninterrupted one, the epoch's code after the stop included."""
+    whole = _unmanaged_run(tmp_path / "a", None)
+    _, _, names = _unmanaged_run(tmp_path / "b", stop_at)
+    assert names == [f"ckpt-{stop_at:010d}.pt"]
+    resumed = _unmanaged_run(tmp_path / "b", None)
+    assert torch.equal(whole[0], resumed[0]) and whole[1] == resumed[1]

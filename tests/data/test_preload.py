@@ -691,3 +691,217 @@ def test_a_waiter_raises_when_the_builder_ended_without_finishing(tmp_path: Path
     announcer.say("failed", error="ValueError: item 7 is broken")
     with pytest.raises(RuntimeError, match="could not build or open the cache: ValueError: item 7"):
         _cache_handoff.wait_for(tmp_path, "data", "tok")
+
+
+def test_a_posted_failure_is_raised_while_the_handoff_file_still_says_working(
+    tmp_path: Path,
+) -> None:
+    """Local rank 0 (alive) could not rewrite its file: the error it posted in the store is
+    raised at the first poll, not after a wait."""
+    import threading
+
+    from loopkit._data import _cache_handoff
+
+    announcer = _cache_handoff.Announcer(tmp_path, "data", "tok")
+    announcer.say("working")
+    # Bounds a waiter that reads only the file: after 3 s the file says something else.
+    late = threading.Timer(3, announcer.say, ("failed",), {"error": "read from the file"})
+    late.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"the cache: OSError: \[Errno 28\] full$"):
+            _cache_handoff.wait_for(tmp_path, "data", "tok", lambda: "OSError: [Errno 28] full")
+    finally:
+        late.cancel()
+        late.join()
+    assert time.monotonic() - start < 0.5
+
+
+_FAILURES_AND_NODES = """
+import datetime, errno, os, signal, sys, time, torch, loopkit
+import torch.distributed as dist
+from pathlib import Path
+from torch.distributed import distributed_c10d
+from loopkit import distributed
+from loopkit._data import _preload
+from loopkit._data._fields import spread
+sys.path[:0] = ["tests", "tests/data"]
+from test_preload import Images
+
+out = Path(sys.argv[1])
+UNSAMPLED = next(i for i in range(60) if i not in spread(60))  # not in the fingerprint's sample
+tokens = []  # every call's store token, to look for its keys afterwards
+_draw = _preload.job_token
+_preload.job_token = lambda: tokens.append(_draw()) or tokens[-1]
+
+def hung(signum, frame):
+    raise TimeoutError("preload did not return within its bound: it hung")
+
+signal.signal(signal.SIGALRM, hung)
+
+def keys_left():
+    '''The store keys of the calls so far that it still holds (as preload names them).'''
+    store = distributed_c10d._get_default_store()
+    return [k for t in tokens for k in (*(f"loopkit/preload/{t}/outcome/{r}" for r in range(2)),
+                                        f"loopkit/preload/{t}/read") if store.check([k])]
+
+left = []  # what each call left in the store as it returned, before any barrier
+
+def call(dataset, root, key):
+    '''preload bounded in time (a hang ends as a TimeoutError): (error or None, seconds).'''
+    signal.alarm(10 if dist.get_rank() else 20)  # rank 0 outlives a hanging rank 1
+    start = time.monotonic()
+    try:
+        loopkit.preload(dataset, root, key=key)
+        return None, time.monotonic() - start
+    except Exception as err:
+        return err, time.monotonic() - start
+    finally:
+        signal.alarm(0)
+        left.extend(keys_left())
+
+raised = {}  # what rank 0's data set raised, to compare with what preload raised
+
+class Flaky(Images):
+    '''Rank 0 only: item UNSAMPLED (read by the build, after the sample) raises.'''
+    def __init__(self, full_disk):
+        super().__init__(60)
+        self.full_disk = full_disk
+    def __getitem__(self, i):
+        if i == UNSAMPLED and dist.get_rank() == 0:
+            if self.full_disk:  # the disk is full: rank 0 cannot rewrite its handoff file
+                handoff, = Path(sys.argv[1]).glob(".full-disk.job-*")
+                os.mkdir(f"{handoff}.{os.getpid()}")
+                raised["err"] = OSError(errno.ENOSPC, "No space left on device")
+            else:
+                raised["err"] = ValueError(f"item {i} cannot be decoded")
+            raise raised["err"]
+        return super().__getitem__(i)
+
+class OneOff(Images):
+    '''Rank 1's copy differs from rank 0's in one item the fingerprint does not sample.'''
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return (x + 1 if i == UNSAMPLED and dist.get_rank() == 1 else x), y
+
+def said(err):
+    return "" if err is None else f"{type(err).__name__}: {err}"
+
+with distributed.setup(timeout=datetime.timedelta(seconds=30)) as info:
+    store = distributed_c10d._get_default_store()
+    dist.barrier()
+    keys_before = store.num_keys()
+    result = {}
+    for case, full_disk in (("raises", False), ("full_disk", True)):
+        err, seconds = call(Flaky(full_disk), out, case.replace("_", "-"))
+        result[case] = {"said": said(err), "seconds": seconds,
+                        "original": err is not None and err is raised.get("err")}
+    # Two nodes (each rank its node's only one, LOCAL_RANK 0), each with its own root and
+    # its own copy of the data: different salts (other fingerprints), one item the sample
+    # misses (the same fingerprint), the same data.
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    node = out / f"node{info.rank}"
+    for case, data in (("salted", Images(60, salt=info.rank)), ("one_item", OneOff(60)),
+                       ("same", Images(60))):
+        err, _ = call(data, node, case)
+        names = sorted(p.name for p in node.glob(case + "-*"))
+        result[case] = {"said": said(err), "names": names}
+    os.environ.update(LOCAL_RANK=str(info.rank), LOCAL_WORLD_SIZE="2")
+    dist.barrier()  # every rank is out of every call: the last reader has deleted the keys
+    result["keys"] = (keys_before, store.num_keys())
+    result["calls"] = len(tokens)
+    result["left"] = (left, keys_left())
+    torch.save(result, out / f"rank{info.rank}.pt")
+"""
+
+
+@pytest.fixture(scope="module")
+def failures_and_nodes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """One torchrun launch (2 gloo ranks) of _FAILURES_AND_NODES: its root and each rank's say."""
+    out = tmp_path_factory.mktemp("preload-ranks")
+    script = out / "failures.py"
+    script.write_text(_FAILURES_AND_NODES)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=launch_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def test_a_failed_build_on_rank_0_reaches_the_waiting_rank_at_once(
+    failures_and_nodes: tuple[Path, list[Any]],
+) -> None:
+    """The data set raises on rank 0 mid-build (with a full disk: no handoff file rewrite):
+    rank 0 raises that very exception, rank 1 a RuntimeError naming it within seconds."""
+    _, (a, b) = failures_and_nodes
+    for case, error in (("raises", "ValueError: item 1 cannot be decoded"),
+                        ("full_disk", "OSError: [Errno 28] No space left on device")):  # fmt: skip
+        assert a[case]["said"] == error and a[case]["original"]
+        assert b[case]["said"] == (
+            f"RuntimeError: preload: local rank 0 could not build or open the cache: {error}"
+        )
+        assert b[case]["seconds"] < 5, b[case]  # not a timeout: it hangs 10 s to fail
+
+
+def test_nodes_whose_data_differ_are_refused_on_every_rank(
+    failures_and_nodes: tuple[Path, list[Any]],
+) -> None:
+    """Two simulated nodes (LOCAL_RANK 0 each, own root) build from their own copies: other
+    items, even one item the fingerprint misses (one name on both), are refused on both
+    ranks, naming each node's cache; the same data is accepted."""
+    out, results = failures_and_nodes
+    for case in ("salted", "one_item"):
+        for r, result in enumerate(results):
+            said = result[case]["said"]
+            assert said.startswith("RuntimeError: preload: the nodes' caches hold different data")
+            for node in (0, 1):
+                assert f"{out}/node{node}/{case}-" in said and f"rank {node} read" in said
+            assert len(result[case]["names"]) == 1, (r, result[case])
+    assert results[0]["one_item"]["names"] == results[1]["one_item"]["names"]
+    assert results[0]["salted"]["names"] != results[1]["salted"]["names"]
+    assert [r["same"]["said"] for r in results] == ["", ""]
+
+
+def test_each_call_leaves_no_keys_in_the_store(failures_and_nodes: tuple[Path, list[Any]]) -> None:
+    """Five preload calls (built, failed, refused): as each returns, on either rank, the job's
+    store holds none of its keys; at the end it has as many keys as before the first."""
+    _, results = failures_and_nodes
+    for result in results:
+        assert result["calls"] == 5
+        assert result["left"] == ([], [])
+        before, after = result["keys"]
+        assert after == before
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077, 0o277])
+def test_the_build_lock_is_owner_only_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    """The lock file is mode 0600 under a permissive umask (0o000) and strict ones (0o077,
+    0o277, which leaves a created file 0o400), held directly and by a build."""
+    import stat
+
+    from loopkit._data import _cache_files
+
+    def lock_mode() -> int:
+        (lock,) = tmp_path.glob(".*.lock")
+        return stat.S_IMODE(lock.stat().st_mode)
+
+    modes: list[int] = []
+
+    def seen(item: Any) -> Any:  # during the build (under the lock) the lock file exists
+        if list(tmp_path.glob(".*.lock")):
+            modes.append(lock_mode())
+        return item
+
+    old = os.umask(umask)
+    try:
+        with _cache_files.build_lock(tmp_path, "direct") as locked:
+            assert locked and lock_mode() == 0o600
+        if not umask & 0o700:  # one taking the owner's bits: the build's mkdtemp is read-only
+            cache = loopkit.preload(Images(20), tmp_path, transform=seen)
+            assert cache.built
+    finally:
+        os.umask(old)
+    if not umask & 0o700:
+        assert len(modes) == 20 and set(modes) == {0o600}

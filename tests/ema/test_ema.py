@@ -3,6 +3,7 @@ float64 closed form; swapped() restores bit for bit; it resumes with the Checkpo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,7 @@ def test_swapped_around_evaluate_inside_a_cadence_measures_the_average() -> None
 
 def test_standalone_update_and_the_refusals() -> None:
     """ema.update() after optimizer.step() in a hand loop; owned by a step, update() is
-    refused, and so are a second owner, another model's ema and bad settings (nothing
+    refused, and so are the same average twice, another model's ema and bad settings (nothing
     changed by a refusal)."""
     model = mlp()
     average = loopkit.ema(model, decay=0.9)
@@ -199,8 +200,8 @@ def test_standalone_update_and_the_refusals() -> None:
     with pytest.raises(RuntimeError, match=r"remove the ema\.update"):
         average.update()
     assert average.updates == 1 and step.updates == 0
-    with pytest.raises(ValueError, match="already updated by another"):
-        loopkit.step(model, opt, ema=average)
+    with pytest.raises(ValueError, match="given twice"):
+        loopkit.step(model, opt, ema=[average, average])
     other = mlp(seed=1)
     with pytest.raises(ValueError, match="does not update"):
         loopkit.step(model, opt, ema=loopkit.ema(other))
@@ -353,3 +354,116 @@ def test_accumulate_alone_takes_an_ema_too() -> None:
     assert acc.updates == average.updates == 3
     for got, want in zip(average.shadow, _closed_form(start, after, [0.7] * 3), strict=True):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_several_decays_on_one_step_each_follow_their_closed_form(every: int) -> None:
+    """ema=[slow, fast, warm]: each is updated once per real update (none per micro-step),
+    each within float rounding of its float64 closed form (improved-diffusion's ema_rate)."""
+    model = mlp()
+    decays = (0.99, 0.5, 0.9)
+    start = [p.detach().clone() for p in model.parameters()]
+    averages = [loopkit.ema(model, decay=d) for d in decays]
+    step, after = _train(model, averages, [4] * 9, accumulate=every)  # type: ignore[arg-type]
+    assert step.updates == len(after) == -(-9 // every)
+    for average, d in zip(averages, decays, strict=True):
+        assert average.updates == step.updates
+        want = _closed_form(start, after, [d] * len(after))
+        for got, w in zip(average.shadow, want, strict=True):
+            torch.testing.assert_close(got.double(), w, rtol=0, atol=1e-6)
+
+
+def test_several_averages_resume_bit_identical_and_refuse_another_count(tmp_path: Path) -> None:
+    """A step's list of averages is saved with it; the resumed run's averages equal the
+    uninterrupted run's bit for bit, and a resume with one average fewer is refused."""
+
+    def run(directory: Path, stop: int | None, emas: int = 2) -> list[loopkit.ema]:
+        model = mlp()
+        averages = [loopkit.ema(model, decay=d) for d in (0.9, 0.6)][:emas]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = loopkit.step(model, opt, accumulate=2, ema=averages)
+        ckpt = loopkit.Checkpointer(directory, model=model, optimizer=opt, step=step)
+        ckpt.resume()
+        data = batches([4] * 12)[2 * step.updates :]
+        for batch in step.iterate(data):
+            with step as s:
+                s.backward(loss_fn(model, batch))
+            ckpt.maybe_save(every=1)
+            if stop is not None and step.updates == stop:
+                break
+        return averages
+
+    whole = run(tmp_path / "a", None)
+    run(tmp_path / "b", 3)
+    resumed = run(tmp_path / "b", None)
+    for a, b in zip(whole, resumed, strict=True):
+        assert a.updates == b.updates == 6
+        assert all(torch.equal(x, y) for x, y in zip(a.shadow, b.shadow, strict=True))
+    with pytest.raises(loopkit.CheckpointError, match="holds 2 ema"):
+        run(tmp_path / "b", None, emas=1)
+
+
+def test_an_average_follows_the_run_into_a_rebuilt_step() -> None:
+    """A second phase builds a new step (other accumulate=, micro_batch=) with the same ema,
+    the first step still alive: the average goes on over every real update of both."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    average = loopkit.ema(model, decay=0.8)
+    start = [p.detach().clone() for p in model.parameters()]
+    after: list[list[torch.Tensor]] = []
+    first = loopkit.step(model, opt, accumulate=2, ema=average)
+    second = loopkit.step(model, opt, accumulate=1, micro_batch=2, ema=average)
+    for step, sizes in ((first, [4] * 4), (second, [4] * 3), (first, [4] * 2)):
+        for batch in step.iterate(batches(sizes)):
+            with step as s:
+                s.backward(loss_fn(model, batch))
+            if step.updated:
+                after.append([p.detach().clone() for p in model.parameters()])
+    assert average.updates == len(after) == 2 + 3 + 1
+    want = _closed_form(start, after, [0.8] * len(after))
+    for got, w in zip(average.shadow, want, strict=True):
+        torch.testing.assert_close(got.double(), w, rtol=0, atol=1e-6)
+
+
+def test_a_hand_written_phase_may_update_an_average_a_step_was_given() -> None:
+    """After a step's phase, a hand phase on another optimizer calls ema.update() after its
+    own optimizer.step(): allowed (those are new weights); a second call is refused."""
+    model = mlp()
+    average = loopkit.ema(model, decay=0.5)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=average)
+    for batch in step.iterate(batches([4, 4])):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    with pytest.raises(RuntimeError, match=r"remove the ema\.update"):
+        average.update()  # the step counted these weights already
+    hand = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn(model, batches([4])[0]).backward()
+    hand.step()
+    assert average.update() and average.updates == 3
+    with pytest.raises(RuntimeError, match=r"remove the ema\.update"):
+        average.update()  # the same weights twice
+
+
+def test_an_average_never_updated_warns_where_it_is_used() -> None:
+    """An ema neither given to the step nor updated by hand, while its model trained: its
+    swapped()/state_dict() warns once; one that is updated, or whose model did not train, not."""
+    model = mlp()
+    forgotten = loopkit.ema(model, decay=0.9)
+    given = loopkit.ema(model, decay=0.9)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=given)
+    untouched = loopkit.ema(mlp(seed=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with untouched.swapped():
+            pass
+    for batch in step.iterate(batches([4, 4])):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    with pytest.warns(UserWarning, match="never been updated"), forgotten.swapped():
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forgotten.state_dict()  # told once
+        with given.swapped():
+            pass
+        given.state_dict()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +59,30 @@ def _wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+def _wandb_files(tmp: Path, run_id: str) -> list[Path]:
+    """The run files of every start of an offline run, in start order (what `wandb sync` reads;
+    a start in the same second as the one before gets a suffix from newer wandb)."""
+    folders = [
+        *tmp.glob(f"wandb/offline-run-*-{run_id}"),
+        *tmp.glob(f"wandb/offline-run-*-{run_id}-*"),
+    ]
+    return [f for d in sorted(folders) for f in d.glob("run-*.wandb")]
+
+
+def _wandb_history(path: Path) -> list[dict[str, float]]:
+    """The metric rows of one offline run file, with their `_step`, in order (the run's own
+    bookkeeping, rows without a metric, left out)."""
+    rows = []
+    for r in _wandb_records(path):
+        if r.WhichOneof("record_type") != "history":
+            continue
+        items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        metrics = {k: float(v) for k, v in items.items() if not k.startswith("_")}
+        if "_step" in items and metrics:
+            rows.append({"_step": float(items["_step"]), **metrics})
+    return rows
+
+
 def _wandb(
     tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Callable[[], Any], Callable[[Any], Written]]:
@@ -66,22 +91,10 @@ def _wandb(
     monkeypatch.setenv("WANDB_MODE", "offline")
 
     def read(sink: Any) -> Written:
-        written: Written = {}
-        steps: list[int] = []
-        for f in sorted((tmp / "wandb").glob(f"offline-run-*-{sink.run_id}/run-*.wandb")):
-            for r in _wandb_records(f):
-                if r.WhichOneof("record_type") == "history":
-                    items = {
-                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                        for i in r.history.item
-                    }
-                    if "_step" not in items or not set(items) - {"_step", "_runtime", "_timestamp"}:
-                        continue  # the run's own bookkeeping, no metric
-                    step = int(items.pop("_step"))
-                    steps.append(step)
-                    written[step] = {k: float(v) for k, v in items.items() if not k.startswith("_")}
-        assert len(steps) == len(set(steps)), steps
-        return written
+        rows = [row for f in _wandb_files(tmp, sink.run_id) for row in _wandb_history(f)]
+        steps = [int(row.pop("_step")) for row in rows]
+        assert len(steps) == len(set(steps)), steps  # no point twice
+        return dict(zip(steps, rows, strict=True))
 
     return (lambda: loopkit.WandbSink("loopkit-test", dir=tmp, mode="offline")), read
 
@@ -160,10 +173,7 @@ def test_a_resumed_run_continues_the_same_run_with_no_point_twice(
         if step == 3:
             state = first.state_dict()
     first.close()  # what a killed run left behind is on disk
-    if isinstance(first, loopkit.WandbSink):
-        # W&B names an offline run's folder by the second it starts: a relaunch comes later.
-        time.sleep(1.05 - time.time() % 1)
-    second = make()
+    second = make()  # at once: W&B's folder of a start in the same second is not reused
     second.load_state_dict(state)
     second.config({"lr": 0.1})
     for step in range(4, 8):
@@ -217,3 +227,163 @@ def test_a_new_metric_widens_the_csv(tmp_path: Path) -> None:
             ["1", "1.0", ""],
             ["2", "0.5", "0.9"],
         ]
+
+
+Points = list[tuple[int, float]]  # (step, loss) of every point the run holds, in order
+
+
+def _csv_points(tmp: Path) -> tuple[Callable[[], Any], Callable[[Any], Points]]:
+    path = tmp / "m.csv"
+
+    def read(sink: Any) -> Points:
+        with path.open(newline="") as f:
+            return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+
+    return (lambda: loopkit.CSVSink(path)), read
+
+
+def _mlflow_points(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Callable[[], Any], Callable[[Any], Points]]:
+    make, _ = _mlflow(tmp, monkeypatch)
+
+    def read(sink: Any) -> Points:
+        from mlflow.tracking import MlflowClient
+
+        history = MlflowClient(tracking_uri=(tmp / "mlruns").as_uri()).get_metric_history(
+            sink.run_id, "loss"
+        )
+        return [(m.step, m.value) for m in history]
+
+    return make, read
+
+
+def _tensorboard_points(tmp: Path) -> tuple[Callable[[], Any], Callable[[Any], Points]]:
+    make, _ = _tensorboard(tmp)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def read(sink: Any) -> Points:
+        points: Points = []
+        for events in sorted((tmp / "tb").glob("events.out.tfevents.*")):
+            acc = EventAccumulator(str(events))
+            acc.Reload()
+            if "loss" in acc.Tags()["scalars"]:  # a resumed start may write nothing new
+                points += [(e.step, e.value) for e in acc.Scalars("loss")]
+        return points
+
+    return make, read
+
+
+@pytest.fixture(params=["csv", "mlflow", "tensorboard"])
+def ordered(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Callable[[], Any], Callable[[Any], Points]]:
+    """(make a sink, read every point its run holds) for the trackers that keep each point."""
+    if request.param == "csv":
+        return _csv_points(tmp_path)
+    if request.param == "mlflow":
+        return _mlflow_points(tmp_path, monkeypatch)
+    return _tensorboard_points(tmp_path)
+
+
+# Two points per step, as a log flushing every micro-step of accumulate=2 writes them.
+SHARED = [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+@pytest.mark.parametrize(
+    ("saved", "killed"),
+    [(5, 5), (5, 6), (5, 8), (6, 9), (3, 3), (0, 10)],
+    ids=lambda n: str(n),
+)
+def test_a_resume_writes_every_point_once_when_points_share_a_step(
+    ordered: tuple[Callable[[], Any], Callable[[Any], Points]], saved: int, killed: int
+) -> None:
+    """Points sharing steps, the state saved after point `saved`, the run killed after point
+    `killed`: the resumed sink replays from the save and the run holds each point once, in
+    order, at the same steps as an uninterrupted run."""
+    make, read = ordered
+    first = make()
+    state = None
+    for i, step in enumerate(SHARED[: killed + 1]):
+        first({"loss": float(i)}, step=step)
+        if i == saved:
+            state = first.state_dict()
+    first.close()
+    second = make()
+    second.load_state_dict(state)
+    for i in range(saved + 1, len(SHARED)):
+        second({"loss": float(i)}, step=SHARED[i])
+    second.close()
+    assert read(second) == [(step, float(i)) for i, step in enumerate(SHARED)]
+    assert second.state_dict()["last_step"] == 5 and second.state_dict()["count"] == 2
+
+
+def test_a_state_saved_without_the_count_drops_its_whole_step(tmp_path: Path) -> None:
+    """An older checkpoint's tracker state (no count): every point up to its step is taken as
+    held, as before counts were kept; the later steps are written."""
+    make, read = _csv_points(tmp_path)
+    first = make()
+    for i, step in enumerate(SHARED[:6]):
+        first({"loss": float(i)}, step=step)
+    state = first.state_dict()
+    first.close()
+    del state["count"]
+    second = make()
+    second.load_state_dict(state)
+    for i in range(4, len(SHARED)):
+        second({"loss": float(i)}, step=SHARED[i])
+    second.close()
+    assert read(second) == [(step, float(i)) for i, step in enumerate(SHARED) if i != 6]
+
+
+def test_wandb_resumes_writing_the_points_of_a_shared_step_it_does_not_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W&B keeps one row per step: the resumed start logs the second point of the saved step
+    (its side-car counts one point there), not dropping it as already held."""
+    make, _ = _wandb(tmp_path, monkeypatch)
+    first = make()
+    for i, step in enumerate(SHARED[:6]):  # the save after point 5, the first at step 3
+        first({"loss": float(i)}, step=step)
+    state = first.state_dict()
+    first.close()
+    second = make()
+    second.load_state_dict(state)
+    for i in range(6, len(SHARED)):
+        second({"loss": float(i)}, step=SHARED[i])
+    second.close()
+    resumed = _wandb_history(_wandb_files(tmp_path, second.run_id)[-1])
+    assert [(int(r["_step"]), r["loss"]) for r in resumed] == [(3, 6.0), (4, 8.0), (5, 10.0)]
+
+
+def test_two_starts_of_a_wandb_run_within_one_second_keep_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W&B names a start's folder by its second; with a wandb that reuses a taken name (older
+    releases; the installed one's suffix turned off) a resumed start in the same second
+    overwrote the first start's data. Every point of both starts is in the offline files."""
+    pytest.importorskip("wandb")
+    from wandb.sdk import wandb_init
+
+    monkeypatch.setattr(wandb_init._WandbInit, "set_sync_dir_suffix", lambda self, s: None)
+    make, read = _wandb(tmp_path, monkeypatch)
+    for _ in range(3):  # a start that took over a second cannot collide: try again
+        for leftover in tmp_path.iterdir():
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        time.sleep(1.02 - time.time() % 1)  # the first start just after a second begins
+        first = make()
+        first_start = time.time()  # the first start is at its first write
+        for step in range(1, 4):
+            first(_point(step), step=step)
+        state = first.state_dict()
+        first.close()
+        second = make()
+        second.load_state_dict(state)
+        relaunched = time.time()  # the second start is at its first write
+        for step in range(4, 6):
+            second(_point(step), step=step)
+        second.close()
+        if int(relaunched) == int(first_start):
+            break
+    assert int(relaunched) == int(first_start), "no try started twice within one second"
+    assert sorted(read(second)) == [1, 2, 3, 4, 5]

@@ -231,6 +231,7 @@ def test_report_at_exit_and_every(tmp_path: Path) -> None:
         (lambda: loopkit.doctor(report_every=0), ValueError, "int >= 1 or None"),
         (lambda: loopkit.doctor(sink=3), TypeError, "e.g. print"),
         (lambda: loopkit.doctor().count(samples=-1), ValueError, "int >= 0"),
+        (lambda: loopkit.doctor().step_samples(2.5), ValueError, "samples must be an int >= 0"),
     ],
 )
 def test_bad_input(call: Any, exc: type[Exception], hint: str) -> None:
@@ -436,3 +437,67 @@ def test_attach_to_a_cuda_model_times_phases_with_events() -> None:
             model(torch.randn(4, 8, device="cuda")).sum().backward()
     assert doc.stats()["seconds"]["compute"] > 0
     assert doc._clock.cuda
+
+
+def _flops_of_every_batch(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """FlopCounterMode over each whole batch's forward and backward: what the run computed."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        for x, y in data:
+            nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+@pytest.mark.parametrize(
+    ("sizes", "micro_batch", "accumulate"),
+    [
+        ([20, 20, 20, 13], 8, 2),  # chunks 8 + 8 + 4 (the counted one is 8), then 8 + 5
+        ([9, 9, 9, 9, 2], 4, 1),  # 4 + 4 + 1 each: the counted chunk is a 4
+        ([16, 16, 16, 5], None, 1),  # whole batches, a ragged last one (and the lookahead)
+        ([3, 11, 11, 11], None, 3),  # the counted step is the 11, the first a 3
+    ],
+)
+def test_flops_of_unequal_steps_are_every_batchs(
+    sizes: list[int], micro_batch: int | None, accumulate: int
+) -> None:
+    """The doctor's FLOPs (per step x steps, and FLOP/s) are FlopCounterMode's over every
+    batch, whatever the chunks and a ragged last batch: counted per sample, not per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
+    data = [(torch.randn(n, 6), torch.randn(n, 1)) for n in sizes]
+    truth = _flops_of_every_batch(model, data)
+    doc = loopkit.doctor(sink=lambda _: None, sample_syncs_at=())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = loopkit.step(model, opt, accumulate=accumulate, micro_batch=micro_batch, doctor=doc)
+    for x, y in step.iterate(data):
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+    stats = doc.stats()
+    chunks = sum(-(-n // micro_batch) for n in sizes) if micro_batch else len(sizes)
+    assert stats["steps"] == chunks
+    assert stats["flops_per_step"] is not None and stats["flops_per_s"] is not None
+    assert stats["flops_per_step"] * stats["steps"] == pytest.approx(truth, rel=1e-12)
+    assert stats["flops_per_s"] == pytest.approx(truth / doc._clock.wall, rel=1e-12)
+
+
+def test_flops_alone_in_a_plain_loop_with_a_ragged_last_batch() -> None:
+    """doc.iterate over batches of 7 and a last of 2: the steps' samples scale the count."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
+    data = [(torch.randn(n, 6), torch.randn(n, 1)) for n in (7, 7, 2)]
+    truth = _flops_of_every_batch(model, data)
+    doc = loopkit.doctor(sink=lambda _: None, sample_syncs_at=())
+    for x, y in doc.iterate(data):
+        with doc:
+            nn.functional.mse_loss(model(x), y).backward()
+    stats = doc.stats()
+    assert stats["flops_per_step"] is not None
+    assert stats["flops_per_step"] * stats["steps"] == pytest.approx(truth, rel=1e-12)
+    told = loopkit.doctor(sink=lambda _: None, sample_syncs_at=())
+    for n in (2, 7, 7):  # no doc.iterate: the samples said per step instead
+        with told:
+            told.count(samples=n)
+            nn.functional.mse_loss(model(torch.randn(n, 6)), torch.randn(n, 1)).backward()
+    assert told.stats()["flops_per_step"] == pytest.approx(truth / 3, rel=1e-12)

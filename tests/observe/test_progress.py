@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 import loopkit
 from loopkit import _ranks, distributed
 from loopkit._observe._progress import ProgressDisplay, eta, rate
+from loopkit._step import _feed
 
 
 class _Watched:
@@ -112,6 +114,64 @@ def test_a_resumed_run_starts_the_display_where_it_stopped(
     assert step.updates == 8 and seen[0] == 4 * 14  # stopped after batch 13; 14 comes next
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("update 8/8 | epoch 1")
+
+
+def test_the_total_is_the_first_limit_until_reaches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """max_epochs=2 (8 updates) beside max_updates=100 or 5: the run ends at 8 or 5, and
+    says so."""
+    for limit, end in ((100, 8), (5, 5)):
+        step, _ = _loop(tmp_path / str(limit), "plain", max_updates=limit)
+        lines = capsys.readouterr().err.splitlines()
+        assert step.updates == end
+        shown = [line.split(" | ")[0] for line in lines]
+        assert shown == [f"update 4/{end}", f"update {end}/{end}"]
+
+
+def _resumable(tmp: Path, clock: list[float], stop_at: int | None, resume: bool) -> None:
+    """No until: 2 passes of 11 batches (accumulate=2: 6 updates each), the clock 2 s per
+    micro-step; saved and left at update ``stop_at``, or resumed from that save."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    data = torch.utils.data.TensorDataset(torch.randn(44, 5), torch.randn(44, 1))
+    loader = distributed.loader(data, batch_size=4, seed=0, num_workers=0)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
+    if resume:
+        ckpt.resume()
+    while loader.epoch < 2:
+        for x, y in step.iterate(loader, progress="plain"):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            clock[0] += 2.0
+            if step.updates == stop_at and step.updated:
+                ckpt.save()
+                return
+
+
+def test_a_pass_resumed_mid_way_shows_the_uninterrupted_total_and_an_eta_since_the_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resumed at update 8 (4 batches into pass 1), no until: the total is the uninterrupted
+    run's 12, and the ETA is the 2 updates left at the 2 updates per 10 s since the resume."""
+    clock = [0.0]
+    monkeypatch.setattr(_feed, "ProgressDisplay", partial(ProgressDisplay, clock=lambda: clock[0]))
+    _resumable(tmp_path / "whole", clock, None, False)
+    whole = [line.split(" | ")[:2] for line in capsys.readouterr().err.splitlines()]
+    assert whole == [
+        ["update 2/6", "epoch 0"], ["update 5/6", "epoch 0"], ["update 6/6", "epoch 0"],
+        ["update 8/12", "epoch 1"], ["update 11/12", "epoch 1"], ["update 12/12", "epoch 1"],
+    ]  # fmt: skip
+    _resumable(tmp_path / "parts", clock, 8, False)
+    capsys.readouterr()
+    clock[0] = 1000.0  # the time before the resume is none of the resumed run's pace
+    _resumable(tmp_path / "parts", clock, None, True)
+    first, last = capsys.readouterr().err.splitlines()
+    # 5 micro-steps (10 s) after the resume: updates 9 and 10 made, 2 left -> 10 s.
+    assert first.startswith("update 10/12 | epoch 1 |") and "ETA 0:00:10" in first
+    assert last.startswith("update 12/12 | epoch 1 |") and "ETA 0:00:00" in last
 
 
 def test_the_display_makes_no_host_sync(tmp_path: Path) -> None:

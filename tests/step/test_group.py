@@ -326,7 +326,7 @@ def test_a_member_never_entered_in_a_window_leaves_the_boundary_visible() -> Non
     ends = []
 
     def ask(group: Any) -> bool:
-        ends.append(group.micro_step == 0)
+        ends.append(group.settle() == 0)
         return False
 
     *_, d_step, g_step, group = _train_skipping(_data(8), 2, ask, lambda i: i % 4 == 2)
@@ -335,8 +335,9 @@ def test_a_member_never_entered_in_a_window_leaves_the_boundary_visible() -> Non
 
 
 def test_a_member_entered_after_the_boundary_was_read_is_refused() -> None:
-    """On a window's last batch, reading group.micro_step closes G's window: G entered after
-    it raises before its micro-step opens, and the loop goes on."""
+    """On a window's last batch, group.settle() (loop control) closes G's window: G entered
+    after it raises before its micro-step opens, and the loop goes on; reading
+    group.micro_step changes nothing."""
     G, D, d_step, g_step, group = _skipping_group(2)
     for i, (real, noise) in enumerate(group.iterate(_data(4))):
         with d_step as s:
@@ -345,7 +346,8 @@ def test_a_member_entered_after_the_boundary_was_read_is_refused() -> None:
             with g_step as s:
                 s.backward(D(G(noise)).mean())
         if i == 1:
-            assert group.micro_step == 0 and g_step.updates == 1
+            assert group.micro_step == 1 and g_step.updates == 0  # a read: no side effect
+            assert group.settle() == 0 and g_step.updates == 1
             with pytest.raises(RuntimeError, match="after the group closed its window"):
                 g_step.__enter__()
             assert g_step.micro_step == 0 and not g_step.accumulator._inside
@@ -355,7 +357,7 @@ def test_a_member_entered_after_the_boundary_was_read_is_refused() -> None:
 def test_leaving_the_loop_on_a_windows_last_batch_counts_that_window_once() -> None:
     """A break before the group closes G's window: flush() closes it, with no second count."""
     *_, d_step, g_step, group = _train_skipping(_data(6), 2, lambda group: group.updates == 2)
-    assert g_step.micro_step == 1  # nothing read micro_step: G's window is still open
+    assert g_step.micro_step == 1  # nothing settled the group: G's window is still open
     group.flush()
     assert (group.updates, d_step.updates, g_step.updates) == (2, 2, 2)
 
@@ -397,16 +399,16 @@ def test_a_windows_last_batch_entering_no_member_is_closed_for_loop_control(
 
 
 def test_a_member_entered_after_a_read_closed_a_memberless_last_batch_is_refused() -> None:
-    """Loop control asked after the micro-steps: a read on a last batch with no member yet
+    """Loop control asked after the micro-steps: settle() on a last batch with no member yet
     closes both windows, so a member entered afterwards raises and the loop goes on."""
     _, D, d_step, g_step, group = _skipping_group(2)
     for i, (real, _) in enumerate(group.iterate(_data(4))):
         if i % 2 == 0:
             with d_step as s:
                 s.backward(D(real).mean())
-            assert group.micro_step == 1  # read after the micro-step: the loop asks after
+            assert group.settle() == 1  # asked after the micro-step: the loop asks after
         else:
-            assert group.micro_step == 0 and d_step.updates == i // 2 + 1
+            assert group.settle() == 0 and d_step.updates == i // 2 + 1
             with pytest.raises(RuntimeError, match="no member had been entered on"):
                 d_step.__enter__()
             assert d_step.micro_step == 0 and not d_step.accumulator._inside
@@ -570,3 +572,40 @@ def test_a_reentrant_checkpoint_of_a_members_own_parameters_trains_exactly() -> 
     ref = _ActorCritic().double()
     ref.load_state_dict(start.state_dict())
     torch.testing.assert_close(params(model), _trunk_reference(ref, data, 2), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("micro_batch", [None, 3])
+def test_members_logs_get_the_samples_and_epoch_axes(micro_batch: int | None) -> None:
+    """Each member's log gets the epoch and the samples the group handed out (whole batches
+    once, chunks or not), as a single step's does; the group's state carries them."""
+    from loopkit import distributed
+
+    G, D = _gan()
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 2), torch.randn(40, 4))
+    loader = distributed.loader(dataset, batch_size=8, seed=0, num_workers=0)
+    axes: list[dict[str, float]] = []
+
+    def sink(metrics: dict[str, float], *, step: int, axes: Any) -> None:
+        seen.append(dict(axes))
+
+    seen = axes
+    log = loopkit.detach_logging(every=1, sink=sink)
+    d_step = loopkit.step(D, _opt(D), accumulate=2, log=log, micro_batch=micro_batch)
+    # A GAN's generator trains through D (frozen=); with chunks, two independent members.
+    frozen = [D] if micro_batch is None else []
+    g_step = loopkit.step(G, _opt(G), accumulate=2, micro_batch=micro_batch, frozen=frozen)
+    group = loopkit.steps(d_step, g_step)
+    for epoch in range(2):
+        for real, noise in group.iterate(loader):
+            with d_step as s:
+                s.backward(D(real).pow(2).mean())
+            with g_step as s:
+                out = D(G(noise)) if frozen else G(noise)
+                s.backward(out.pow(2).mean())
+        assert axes[-1]["epoch"] == epoch and axes[-1]["samples"] == 40 * (epoch + 1)
+    assert axes[-1]["samples"] == 80
+    assert g_step.seen.samples == d_step.seen.samples == 80
+    fresh = loopkit.steps(loopkit.step(D, _opt(D), accumulate=2),
+                          loopkit.step(G, _opt(G), accumulate=2, frozen=frozen))  # fmt: skip
+    fresh.load_state_dict(group.state_dict())
+    assert fresh.members[0].seen.samples == fresh.members[1].seen.samples == 80

@@ -42,6 +42,16 @@ SCHEDULERS = {
         ],
         milestones=[2],
     ),
+    "one cycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=o.param_groups[0]["lr"], total_steps=8
+    ),
+    "cyclic": lambda o: torch.optim.lr_scheduler.CyclicLR(
+        o,
+        base_lr=o.param_groups[0]["lr"] / 10,
+        max_lr=o.param_groups[0]["lr"],
+        step_size_up=2,
+        cycle_momentum=False,
+    ),
 }
 
 
@@ -61,13 +71,42 @@ def test_the_sqrt_rule_and_no_scheduler() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-3)
 
 
+def test_plateau_scaling_equals_building_with_the_scaled_lr() -> None:
+    """ReduceLROnPlateau's live lr and its floor (min_lr) both scale: every step's lr is the
+    one a scheduler built with the scaled rates gives, the floor reached included."""
+
+    def lrs(lr: float, scale: bool) -> list[float]:
+        opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0,
+                                                           min_lr=lr / 3)  # fmt: skip
+        if scale:
+            loopkit.scale_lr(opt, sched, from_batch=32, to_batch=128)
+        out = []
+        for _ in range(5):
+            out.append(opt.param_groups[0]["lr"])
+            sched.step(1.0)  # no improvement: reduce, down to the floor
+        return out
+
+    assert lrs(0.1, scale=True) == pytest.approx(lrs(0.4, scale=False), rel=1e-12)
+
+
+class _OwnRates:
+    """A scheduler with no base_lrs: its rates are its own."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.5
+
+
 def test_a_scheduler_it_cannot_scale_is_refused_before_any_change() -> None:
-    """OneCycleLR's rate comes from max_lr: refused, and the lr is left as it was."""
+    """A scheduler keeping no rates loopkit knows is refused, and the lr is left as it was."""
     opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10)
     before = opt.param_groups[0]["lr"]
-    with pytest.raises(TypeError, match="cannot scale a OneCycleLR"):
-        loopkit.scale_lr(opt, sched, from_batch=32, to_batch=64)
+    with pytest.raises(TypeError, match="cannot scale a _OwnRates"):
+        loopkit.scale_lr(opt, _OwnRates(opt), from_batch=32, to_batch=64)
     assert opt.param_groups[0]["lr"] == before
     with pytest.raises(ValueError, match="to_batch must be an int >= 1"):
         loopkit.scale_lr(opt, from_batch=32, to_batch=0)

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
+import importlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
-from helpers import mlp, params
+from helpers import batches, mlp, params
 from torch import nn
 
 import loopkit
 from loopkit import distributed
+from loopkit._step import _micro_batch as micro_batch
 from loopkit._step._micro_batch import chunks
 
 
@@ -239,8 +244,8 @@ def test_a_power_of_two_split_is_bit_identical_where_float32_adds_exactly() -> N
     lengths = [1, 2] * 6
     whole, a = _exact_train(None, lengths)
     assert a.updates == 3 and _same(whole, _exact_train(None, lengths, dtype=torch.float64)[0])
-    for micro_batch in (8, 4, 2, 1):
-        assert _same(whole, _exact_train(micro_batch, lengths)[0]), micro_batch
+    for chunk in (8, 4, 2, 1):
+        assert _same(whole, _exact_train(chunk, lengths)[0]), chunk
     assert not _same(whole, _exact_train(6, lengths)[0])
 
 
@@ -393,3 +398,251 @@ def test_group_members_must_split_alike() -> None:
     )
     with pytest.raises(ValueError, match="split batches differently"):
         loopkit.steps(*members)
+
+
+# -- what a batch holds: the samples are cut wherever the batch lays them out -----------------
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    names: list[str]
+    scale: float = 1.0
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _items(n: int, g: torch.Generator) -> list[dict[str, Any]]:
+    """``n`` samples: features, a target, a name, an id, a sequence and a detection target."""
+    out = []
+    for i in range(n):
+        k = 1 + (3 * i) % 7  # varied lengths, some equal to a chunk's size by chance
+        box = torch.randn(k % 3 + 1, 4, generator=g)
+        out.append({"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g),
+                    "name": f"img_{i}", "id": i, "seq": torch.randn(k, generator=g),
+                    "target": {"box": box, "label": i}})  # fmt: skip
+    return out
+
+
+def _stack(items: list[dict[str, Any]], key: str) -> torch.Tensor:
+    return torch.stack([it[key] for it in items])
+
+
+# Each layout collates a list of samples into a batch, as a loader's collate_fn would.
+LAYOUTS: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
+    "tuple": lambda s: (_stack(s, "x"), _stack(s, "y")),
+    "list": lambda s: [_stack(s, "x"), _stack(s, "y")],
+    "dict + names + scalars": lambda s: {
+        "x": _stack(s, "x"), "y": _stack(s, "y"), "names": [it["name"] for it in s], "t": 0.5,
+        "one": torch.tensor(2.0),
+    },
+    "names first": lambda s: ([it["name"] for it in s], _stack(s, "x"), _stack(s, "y")),
+    "nested": lambda s: ((_stack(s, "x"), [_stack(s, "y"), [it["name"] for it in s]]),
+                         {"ids": [it["id"] for it in s]}),
+    "sequences + targets": lambda s: ([it["seq"] for it in s], _stack(s, "y")),
+    "dicts per sample": lambda s: (_stack(s, "x"), [it["target"] for it in s], _stack(s, "y")),
+    "namedtuple": lambda s: _Pair(_stack(s, "x"), _stack(s, "y")),
+    "dataclass": lambda s: (_Batch(_stack(s, "x"), [it["name"] for it in s], 2.0),
+                            _stack(s, "y")),
+}  # fmt: skip
+
+
+def _same_batch(u: Any, v: Any) -> bool:
+    if isinstance(u, torch.Tensor):
+        return isinstance(v, torch.Tensor) and torch.equal(u, v)
+    if isinstance(u, dict):
+        return (
+            isinstance(v, dict) and u.keys() == v.keys() and all(_same_batch(u[k], v[k]) for k in u)
+        )
+    if dataclasses.is_dataclass(u) and not isinstance(u, type):
+        return type(u) is type(v) and _same_batch(
+            [getattr(u, f.name) for f in dataclasses.fields(u)],
+            [getattr(v, f.name) for f in dataclasses.fields(u)],
+        )
+    if isinstance(u, (list, tuple)):
+        return (type(u) is type(v) and len(u) == len(v)
+                and all(_same_batch(p, q) for p, q in zip(u, v, strict=True)))  # fmt: skip
+    return bool(u == v)
+
+
+@pytest.mark.parametrize("n,micro", [(8, 3), (7, 2), (6, 6), (5, 1), (2, 1)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_chunks_cut_every_layout_by_its_samples(layout: str, n: int, micro: int) -> None:
+    """A batch's chunks are the batches its samples' slices would collate to (per-sample lists
+    of names, sequences or dicts cut with the tensors; scalars whole); the shares are exact."""
+    collate = LAYOUTS[layout]
+    items = _items(n, torch.Generator().manual_seed(n))
+    batch = collate(items)
+    parts = micro_batch.chunks(batch, micro)
+    assert micro_batch.leading_size(batch) == n
+    starts = range(0, n, micro) if micro < n else [0]
+    want = [collate(items[a : a + micro]) if micro < n else batch for a in starts]
+    assert len(parts) == len(want)
+    assert all(_same_batch(p, w) for (p, _), w in zip(parts, want, strict=True))
+    assert [share for _, share in parts] == [len(items[a : a + micro]) / n for a in starts]
+
+
+def test_a_batch_whose_samples_cannot_be_counted_is_refused() -> None:
+    """micro_batch= on a batch of an unknown type (no tensors, no per-sample list) says so."""
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=2)
+    with pytest.raises(ValueError, match="cannot tell how many samples a batch of object"):
+        for _ in step.iterate([object()]):
+            pass
+    assert step.updates == 0 and step.micro_step == 0
+
+
+def test_sequences_in_a_list_train_as_the_whole_batch() -> None:
+    """A list of variable-length sequences with targets: micro-batches give the whole batch's
+    float64 update (r3_03's layout, other lengths and chunks)."""
+    torch.manual_seed(0)
+    seqs = [torch.randn(n, dtype=torch.double) for n in (6, 2, 6, 9, 1, 6, 3)]
+    y = torch.randn(7, dtype=torch.double)
+
+    def loss(m: nn.Module, s_list: list[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(torch.stack([m(q[:, None]).mean() for q in s_list]), t)
+
+    results = []
+    for chunk in (None, 3, 2):
+        torch.manual_seed(1)
+        model = nn.Linear(1, 1).double()
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=chunk)
+        for s_list, t in step.iterate([(seqs, y)]):
+            with step as s:
+                s.backward(loss(model, s_list, t))
+        results.append(params(model))
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], rtol=0, atol=1e-12)
+
+
+class _NormNet(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 6), norm, nn.Tanh(), nn.Linear(6, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("norm", ["BatchNorm1d", "BatchNorm1d without running stats"])
+def test_batch_statistics_in_training_are_refused_before_a_chunk_runs(norm: str) -> None:
+    """A BatchNorm layer that normalizes by the batch (training mode, or no running statistics)
+    refuses a batch that would be cut, before its first chunk: nothing trained, nothing moved."""
+    layer = nn.BatchNorm1d(6, track_running_stats=norm == "BatchNorm1d")
+    model = _NormNet(layer)
+    if norm != "BatchNorm1d":
+        model.eval()  # no running statistics: still the batch's
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=4)
+    before = params(model)
+    with pytest.raises(RuntimeError, match=r"BatchNorm layers \('body.1'\).*accumulate="):
+        for x, y in step.iterate(batches([8, 8])):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+    assert step.updates == 0 and _same(before, params(model))
+
+
+def test_batch_statistics_that_are_not_cut_are_fine() -> None:
+    """Frozen BatchNorm (eval mode with running statistics), GroupNorm, or batches that fit in
+    one chunk: micro_batch= trains as the whole batch."""
+    for model, sizes in (
+        (_NormNet(nn.BatchNorm1d(6)).eval(), [8, 8]),
+        (_NormNet(nn.GroupNorm(2, 6)), [8, 8]),
+        (_NormNet(nn.BatchNorm1d(6)), [4, 3]),
+    ):
+        whole, parts = copy.deepcopy(model), model
+        for m, chunk in ((whole, None), (parts, 4)):
+            step = loopkit.step(m, torch.optim.SGD(m.parameters(), lr=0.1), micro_batch=chunk)
+            for x, y in step.iterate(batches(sizes)):
+                with step as s:
+                    s.backward(nn.functional.mse_loss(m(x), y))
+        torch.testing.assert_close(params(parts), params(whole), rtol=0, atol=1e-6)
+
+
+def test_a_group_refuses_batch_statistics_too() -> None:
+    """A loopkit.steps group cutting batches checks every member's BatchNorm layers."""
+    net, head = _NormNet(nn.BatchNorm1d(6)), mlp()
+    group = loopkit.steps(
+        loopkit.step(head, torch.optim.SGD(head.parameters(), lr=0.1), micro_batch=4),
+        loopkit.step(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_batch=4),
+    )
+    with pytest.raises(RuntimeError, match="BatchNorm"):
+        for _ in group.iterate(batches([8])):
+            pass
+
+
+# -- what is logged: whole batches, once each --------------------------------------------
+
+
+def _logged(micro: int | None, sizes: list[int], accumulate: int, area: int | None = None
+            ) -> tuple[list[dict[str, float]], loopkit.step]:  # fmt: skip
+    rows: list[dict[str, float]] = []
+    model = ExactLinear(area)
+    log = loopkit.detach_logging(every=1, sink=rows.append)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.125),
+                        accumulate=accumulate, micro_batch=micro, log=log)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(-1, 2, (n, 4 if n != 6 else 12, 8), generator=g).float(),
+             torch.randint(-2, 3, (n, 1), generator=g).float()) for n in sizes]  # fmt: skip
+    for x, y in step.iterate(data):
+        with step as s:
+            out = (model(x) * y).mean()
+            s.log_metrics(acc=(model(x) > 0).float().mean())
+            s.backward(out)
+    return rows, step
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_the_log_counts_and_averages_whole_batches(accumulate: int) -> None:
+    """Under micro_batch= one record per batch, each metric the batch's mean (chunks weighted
+    by their share): the whole-batch loop's log, within float rounding."""
+    sizes = [16, 10, 16, 7, 16]
+    whole, _ = _logged(None, sizes, accumulate)
+    parts, step = _logged(4, sizes, accumulate)
+    assert len(parts) == len(whole) == 5 and step.updates == -(-5 // accumulate)
+    for a, b in zip(whole, parts, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-7)
+
+
+def test_a_redone_window_logs_each_batch_once() -> None:
+    """An out-of-memory error in a window's last batch redoes the window in halved chunks:
+    its earlier batches are not logged twice, and the log equals the whole batches'."""
+    sizes = [16, 16, 6, 16]  # the batch of 6 has length 12: 6 x 12 > 64 runs out of memory
+    whole, _ = _logged(None, sizes, 3)
+    redone, step = _logged(8, sizes, 3, area=64)
+    assert step.chunks.size == 4
+    assert len(redone) == len(whole) == 4
+    for a, b in zip(whole, redone, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+
+
+class _Refused(Exception):
+    """A user's own error, raised inside a micro-batched step."""
+
+
+@pytest.mark.parametrize("error", [_Refused("bad sample"), RuntimeError("a user's check")])
+def test_a_users_error_in_a_micro_batched_step_comes_out_unchanged(
+    error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception other than out of memory leaves a micro-batched step as it came in, even
+    where accelerate cannot be imported."""
+    real = importlib.import_module
+
+    def no_accelerate(name: str, *args: Any) -> Any:
+        if name.startswith("accelerate"):
+            raise ModuleNotFoundError("No module named 'accelerate'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_accelerate)
+    model = mlp()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=2)
+    with pytest.raises(type(error)) as caught:
+        for x, y in step.iterate(batches([4])):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+                raise error
+    assert caught.value is error

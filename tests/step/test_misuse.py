@@ -254,3 +254,135 @@ def test_iterate_over_the_same_loader_never_spans() -> None:
                 with step as s:
                     s.backward(nn.functional.mse_loss(model(x), y))
     assert step.updates == 4
+
+
+@pytest.mark.parametrize("micro_batch", [None, 2])
+def test_an_iteration_based_loop_over_iterate_spans_passes_without_warning(
+    micro_batch: int | None,
+) -> None:
+    """step.iterate over an endless chain of a loader's passes, stopped by until: no warning,
+    though its windows span passes (the loop chains them on purpose)."""
+    model, opt, _, _ = _setup(every=3)
+    step = loopkit.step(model, opt, accumulate=3, micro_batch=micro_batch)
+    dataset = torch.utils.data.TensorDataset(torch.randn(20, 8), torch.randn(20, 1))
+    loader = distributed.loader(dataset, batch_size=4, seed=0, num_workers=0)
+
+    def endless():  # type: ignore[no-untyped-def]
+        while True:
+            yield from loader
+
+    stop = loopkit.until(step, max_updates=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in step.iterate(endless()):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            if stop.check():
+                break
+    assert step.updates == 7 and loader.epoch >= 4
+
+
+def test_a_window_left_open_by_an_error_is_not_reported() -> None:
+    """An exception inside a micro-step leaves its window open: no OpenWindowWarning on top of
+    the error; a later micro-step that succeeds makes it reportable again."""
+    model, _, _, step = _setup(every=4)
+    data = batches([4, 4, 4])
+    _micro(step, model, data[0])
+    with pytest.raises(ValueError, match="bad batch"), step as s:
+        s.backward(loss_fn(model, data[1]))
+        raise ValueError("bad batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del step
+        gc.collect()
+    model, _, _, step = _setup(every=4)
+    with pytest.raises(ValueError), step:
+        raise ValueError("skipped batch")
+    _micro(step, model, data[2])  # the loop went on: the open window is its own doing
+    with pytest.warns(loopkit.OpenWindowWarning, match=r"^2 micro-step\(s\)"):
+        del step
+        gc.collect()
+
+
+def test_a_script_ending_on_an_error_prints_the_error_alone(tmp_path: Path) -> None:
+    """An uncaught exception after a window opened: the traceback, and no warning at exit."""
+    script = tmp_path / "fails.py"
+    script.write_text(
+        inspect.cleandoc(
+            """
+            import torch, loopkit
+            model = torch.nn.Linear(3, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = loopkit.step(model, opt, accumulate=4)
+            for i, x in enumerate(torch.randn(7, 2, 3)):
+                with step as s:
+                    s.backward(model(x).mean())
+                if i == 5:
+                    raise KeyError("the user's own error, outside the micro-step")
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 1 and "KeyError" in proc.stderr
+    assert "OpenWindowWarning" not in proc.stderr, proc.stderr
+
+
+def _schedulers(opt: torch.optim.Optimizer) -> dict[str, object]:
+    lin = torch.optim.lr_scheduler.LinearLR
+    return {
+        "StepLR": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+        "OneCycleLR": torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=40),
+        "LambdaLR": torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k)),
+        "SequentialLR": torch.optim.lr_scheduler.SequentialLR(
+            opt, [lin(opt, 0.1, total_iters=3), lin(opt, 1.0, 0.1, total_iters=30)],
+            milestones=[3],
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["StepLR", "OneCycleLR", "LambdaLR", "SequentialLR"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_scheduler_restored_by_hand_before_the_loop_is_stepped_on(kind: str, every: int) -> None:
+    """scheduler.load_state_dict after the step was built is no foreign step: each update steps
+    it once from where it was restored; a foreign step after that is still refused."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    donor = _schedulers(opt)[kind]
+    for _ in range(5):
+        donor.step()  # type: ignore[attr-defined]
+    saved = copy.deepcopy(donor.state_dict())  # type: ignore[attr-defined]
+    sched = _schedulers(opt)[kind]
+    step = loopkit.step(model, opt, accumulate=every, scheduler=sched)
+    sched.load_state_dict(saved)  # type: ignore[attr-defined]
+    at = sched.last_epoch  # type: ignore[attr-defined]
+    for batch in step.iterate(batches([4] * (2 * every))):
+        _micro(step, model, batch)
+    assert step.updates == 2 and sched.last_epoch == at + 2  # type: ignore[attr-defined]
+    sched.step()  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="also stepped by your code"):
+        for batch in step.iterate(batches([4] * every)):
+            _micro(step, model, batch)
+
+
+@pytest.mark.parametrize("where", ["scheduler=", "extra="])
+def test_a_checkpointer_rollback_mid_run_moves_the_scheduler_without_refusal(
+    tmp_path: Path, where: str
+) -> None:
+    """A Checkpointer given the scheduler (not step=) restores it after windows were trained:
+    the next updates step it on from the restored position, unrefused."""
+    model, opt, sched, step = _setup(every=2, scheduler=True)
+    kwargs = {"scheduler": sched} if where == "scheduler=" else {"extra": {"sched": sched}}
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, optimizer=opt, **kwargs)  # type: ignore[arg-type]
+    for batch in step.iterate(batches([4] * 4)):
+        _micro(step, model, batch)
+    ckpt.save()
+    for batch in step.iterate(batches([4] * 6)):
+        _micro(step, model, batch)
+    assert sched.last_epoch == 5
+    ckpt.resume()  # a rollback, mid-run
+    assert sched.last_epoch == 2
+    for batch in step.iterate(batches([4] * 4)):
+        _micro(step, model, batch)
+    assert sched.last_epoch == 4 and step.updates == 7

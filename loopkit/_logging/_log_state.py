@@ -1,0 +1,187 @@
+"""detach_logging's checkpoint state: its call count, each sink's state, and the unflushed
+interval (the calls since the last flush and the values recorded since), so a resumed run
+flushes where the uninterrupted run flushes, with the same reductions, bit for bit.
+
+Tensor values are saved as 0-d CPU tensors of their own dtype (a checkpoint is loaded with
+``map_location="cpu"``), read in one transfer per device and dtype: the save's host sync.
+Restored, they stay on the CPU until the metric's next value names its device
+(``adopted``). Under DDP with ``sync_ranks=True`` or ``False`` every rank's values take part
+in what reaches a sink, so the state holds each rank's interval (``"ranks"``) and each rank
+resumes its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import _ranks
+from .._checks import is_int_at_least
+from .._errors import CheckpointError
+from .._sync_points import expected_sync
+from ._delivery import Delivery
+from ._exchange import _moved
+from ._reductions import Value
+
+Pending = dict[str, list[Value]]
+"""The values recorded since the last flush, by metric."""
+Snapshot = tuple[int, int, Pending, set[str], list[Any]]
+"""What a failed resume puts back: calls, calls since the last flush, the values, the
+metrics restored on the CPU, the sinks' states."""
+
+
+class LogState:
+    """The checkpoint side of ``detach_logging``: ``state_dict``, its check and load, and a
+    failed resume's way back (``snapshot``/``restore``), so it is a checkpoint piece."""
+
+    step: int
+    sync_ranks: bool | None
+    _calls_since_flush: int
+    _values: Pending
+    _restored: set[str]  # metrics whose values a resume put on the CPU
+    _delivery: Delivery
+
+    def state_dict(self) -> dict[str, Any]:
+        """The log-call count, the unflushed interval (the calls since the last flush and
+        their values) and each sink's state (a tracker's run and last point), for a checkpoint.
+
+        It reads the unflushed values to the host: one sync, at save time only. Under DDP
+        with ``sync_ranks=True`` or ``False`` it gathers every rank's interval (a collective:
+        call it on every rank, as ``Checkpointer.save`` does).
+        """
+        own = saved(self.step, self._calls_since_flush, self._values)
+        state = {**own, "sinks": self._delivery.state_dict()}
+        if self.sync_ranks is not None and _ranks.is_multi_rank():
+            state["ranks"] = _ranks.gather_objects(own)  # a host-level exchange
+        return state
+
+    def check_state_dict(self, state: object) -> None:
+        """Raise ``CheckpointError`` if ``state`` does not fit this log; changes nothing."""
+        try:
+            self._checked(state)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(f"the log's state does not fit this log: {err}") from err
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the saved count and interval, and give each tracker its run back (before
+        it starts). A state saved without the interval resumes an empty one."""
+        calls, since, values, sinks = self._checked(state)
+        self._delivery.load_state_dict(sinks)
+        self.step, self._calls_since_flush, self._values = calls, since, values
+        self._restored = set(values)
+
+    def _checked(self, state: object) -> tuple[int, int, Pending, list[Any]]:
+        """A saved state's count, interval and sink states, checked against this log."""
+        calls = state.get("calls") if isinstance(state, Mapping) else None
+        if not isinstance(state, Mapping) or not is_int_at_least(calls, 0):
+            raise ValueError(f"not a detach_logging state (no 'calls' count): {state!r}")
+        own = own_entry(state)
+        calls = own.get("calls", calls)
+        if not is_int_at_least(calls, 0):
+            raise ValueError(f"not a detach_logging state: this rank's 'calls' is {calls!r}")
+        since, values = checked(own)
+        sinks = self._delivery.check_state(state.get("sinks"))
+        return int(calls), since, values, sinks
+
+    def snapshot(self) -> Snapshot:
+        """What ``restore`` puts back (no host read: the values are kept as they are)."""
+        values = {name: list(vals) for name, vals in self._values.items()}
+        return (self.step, self._calls_since_flush, values, set(self._restored),
+                self._delivery.state_dict())  # fmt: skip
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Put back what ``snapshot`` took (a resume that failed after loading this log)."""
+        self.step, self._calls_since_flush, values, restored, sinks = snapshot
+        self._delivery.load_state_dict(sinks)
+        self._values, self._restored = dict(values), set(restored)
+
+
+def saved(calls: int, since_flush: int, values: Mapping[str, Sequence[Value]]) -> dict[str, Any]:
+    """This rank's interval as a checkpoint holds it (its tensors read to the CPU)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for vals in values.values():
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                groups.setdefault((v.device, v.dtype), []).append(v)
+    on_cpu: dict[int, torch.Tensor] = {}
+    for tensors in groups.values():
+        # Host-device sync: a checkpoint reads the unflushed values (at save time only).
+        with expected_sync("a checkpoint of detach_logging's unflushed values"):
+            host = torch.stack(tensors).cpu()
+        on_cpu.update(zip(map(id, tensors), host.unbind(), strict=True))
+    pending = {
+        name: [on_cpu[id(v)] if isinstance(v, torch.Tensor) else v for v in vals]
+        for name, vals in values.items()
+    }
+    return {"calls": calls, "since_flush": since_flush, "pending": pending}
+
+
+def own_entry(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """This rank's part of a saved state: its entry of ``"ranks"`` if the state has one."""
+    ranks = state.get("ranks")
+    if ranks is None or not _ranks.is_multi_rank():
+        return state
+    rank, world = _ranks.world()
+    if not isinstance(ranks, list) or len(ranks) != world or not isinstance(ranks[rank], Mapping):
+        count = len(ranks) if isinstance(ranks, list) else "?"
+        raise ValueError(
+            f"the log's state holds the unflushed values of {count} ranks but this job has "
+            f"{world}: resume with as many processes as the run that saved it"
+        )
+    entry: Mapping[str, Any] = ranks[rank]
+    return entry
+
+
+def checked(entry: Mapping[str, Any]) -> tuple[int, Pending]:
+    """The calls since the last flush and the values of a saved interval, checked (an old
+    state without them: an empty interval)."""
+    since = entry.get("since_flush", 0)
+    pending = entry.get("pending", {})
+    if not is_int_at_least(since, 0):
+        raise ValueError(f"not a detach_logging state: 'since_flush' is {since!r}, not an int >= 0")
+    if not isinstance(pending, Mapping):
+        raise ValueError(f"not a detach_logging state: 'pending' is a {type(pending).__name__}")
+    return since, {str(name): _values(name, vals) for name, vals in pending.items()}
+
+
+def _values(name: object, vals: object) -> list[Value]:
+    """One metric's saved values: scalar tensors or numbers, the same kind throughout."""
+    if not isinstance(name, str) or not isinstance(vals, (list, tuple)) or not vals:
+        raise ValueError(
+            f"not a detach_logging state: the unflushed values of {name!r} are {vals!r}, not "
+            "a non-empty list"
+        )
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    numbers = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(tensors) != len(vals) and len(numbers) != len(vals):
+        raise ValueError(
+            f"not a detach_logging state: the unflushed values of {name!r} are not all scalar "
+            "tensors or all numbers"
+        )
+    if any(t.numel() != 1 or t.is_complex() for t in tensors):
+        raise ValueError(f"not a detach_logging state: a value of {name!r} is not a real scalar")
+    if tensors:
+        return [t.detach().reshape(()) for t in tensors]
+    return [float(v) for v in numbers]
+
+
+def adopted(
+    values: Mapping[str, list[Value]], restored: set[str], metrics: Mapping[str, object]
+) -> dict[str, list[Value]]:
+    """The restored values of the metrics logged now that must move to the device of their
+    new value (restored on the CPU), as moved copies; the others are left out."""
+    moved: dict[str, list[Value]] = {}
+    for name in restored.intersection(metrics):
+        kept, new = values.get(name), metrics[name]
+        if not kept or not isinstance(new, torch.Tensor) or not isinstance(kept[0], torch.Tensor):
+            continue
+        if kept[0].device == new.device:
+            continue
+        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        if all(t.dtype == tensors[0].dtype for t in tensors):
+            moved[name] = list(_moved(torch.stack(tensors), new.device).unbind())
+        else:  # a metric logged in several dtypes keeps each one
+            moved[name] = [t.to(new.device) for t in tensors]
+    return moved

@@ -1,0 +1,65 @@
+"""loopkit's own calls under ``torch.compile``: run eagerly, never traced into a graph.
+
+A step's bookkeeping (its counters, autocast entered in one call and left in another, the
+guards that read the caller's frame) cannot live in a graph: traced, autocast's state to
+restore would be entered inside a graph and left outside it, and every counter change
+would be a guard and a recompile. Each entry point asks ``torch.compiler.is_compiling()``
+(one cheap call: an eager loop pays nothing more) and, while traced, runs itself through
+``eagerly``, a graph break; only the user's code between them (the forward) compiles.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+from typing_extensions import Self
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+_eager_call = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
+
+
+def eagerly(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """``fn(*args, **kwargs)`` run eagerly: called from traced code, a graph break."""
+    out: R = _eager_call(fn, *args, **kwargs)
+    return out
+
+
+class EagerUnderCompile(abc.ABC):
+    """A context manager whose ``_enter``/``_exit`` run eagerly under ``torch.compile``."""
+
+    @abc.abstractmethod
+    def _enter(self) -> Self:
+        """What ``__enter__`` does."""
+
+    @abc.abstractmethod
+    def _exit(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """What ``__exit__`` does."""
+
+    def __enter__(self) -> Self:
+        return eagerly(self._enter) if torch.compiler.is_compiling() else self._enter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if torch.compiler.is_compiling():
+            return eagerly(self._exit, exc_type, exc, tb)
+        return self._exit(exc_type, exc, tb)
