@@ -29,6 +29,7 @@ import inv_evaluation
 import inv_exactness
 import inv_loader
 import inv_loop_control
+import inv_micro_batch
 import torch
 import torch.distributed as dist
 
@@ -41,6 +42,7 @@ GROUPS: dict[str, tuple[Any, int, Check]] = {
     "evaluate": (inv_evaluation.scenarios(world=2), 24, inv_evaluation.check_on_ranks),
     "loop_control": (inv_loop_control.scenarios(), 40, inv_loop_control.check_on_ranks),
     "loader": (inv_loader.scenarios(), 10, inv_loader.check_on_ranks),
+    "micro_batch": (inv_micro_batch.scenarios(), 8, inv_micro_batch.check_on_ranks),
 }
 
 # Examples every run checks first (known edge shapes), before the drawn ones.

@@ -1,63 +1,80 @@
-"""Invariant: micro-batching changes no update.
+"""Invariant: micro-batching changes no update (the scenarios: ``inv_micro_batch.py``).
 
 For generated batch sizes (ragged), chunk sizes, windows, weights (none or samples),
-optimizers, clipping and passes, ``loopkit.step(micro_batch=m)`` ends within float32
-rounding of the same step run on whole batches (whose own updates test_update_exactness
-checks against a float64 reference), with the same number of updates and samples seen.
+optimizers, clipping, passes, batch layouts (dicts with names and scalars, nested tuples
+and lists, lists of variable-length sequences, a dict per sample, namedtuples, dataclasses)
+and normalization layers, ``loopkit.step(micro_batch=m)`` ends within float32 rounding of
+the same step run on whole batches (whose own updates test_update_exactness checks against
+a float64 reference), with the same number of updates and samples seen; BatchNorm in
+training mode is refused before a cut batch's first chunk runs; on 2 DDP ranks likewise,
+with identical replicas.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
 
-import torch
-from hypothesis import given
-from hypothesis import strategies as st
-from inv_budget import examples
-from torch import nn
-
-import loopkit
+import inv_micro_batch as mb
+import pytest
+from hypothesis import example, given
+from inv_budget import prop
+from inv_dist import DistResults
 
 
-def _train(spec: dict[str, Any], micro_batch: int | None) -> tuple[list[torch.Tensor], Any]:
-    torch.manual_seed(spec["seed"])
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    opt: torch.optim.Optimizer = (
-        torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if spec["optimizer"] == "adamw"
-        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    )
-    step = loopkit.step(model, opt, accumulate=spec["every"], clip_grad_norm=spec["clip"],
-                        micro_batch=micro_batch)  # fmt: skip
-    g = torch.Generator().manual_seed(spec["seed"])
-    data = [(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)) for n in spec["sizes"]]
-    for _ in range(spec["epochs"]):
-        for x, y in step.iterate(data):
-            with step as s:
-                loss = nn.functional.mse_loss(model(x), y)
-                s.backward(loss, weight=len(x) if spec["weight"] == "samples" else None)
-    return [p.detach().clone() for p in model.parameters()], step
-
-
-@examples(8)
-@given(
-    spec=st.fixed_dictionaries(
-        {
-            "sizes": st.lists(st.integers(1, 9), min_size=1, max_size=6),
-            "every": st.integers(1, 3),
-            "weight": st.sampled_from([None, "samples"]),
-            "optimizer": st.sampled_from(["sgd", "adamw"]),
-            "clip": st.sampled_from([None, 0.5]),
-            "epochs": st.integers(1, 2),
-            "seed": st.integers(0, 2**16),
-        }
-    ),
-    micro_batch=st.integers(1, 5),
+@prop(ci=24)
+@given(mb.scenarios())
+@example(
+    {
+        "sizes": [8],
+        "micro_batch": 2,
+        "every": 1,
+        "weight": None,
+        "optimizer": "sgd",
+        "clip": None,
+        "epochs": 1,
+        "layout": "sequences",
+        "norm": "none",
+        "seed": 0,
+    }
 )
-def test_micro_batches_change_no_update(spec: dict[str, Any], micro_batch: int) -> None:
-    """Chunks of ``micro_batch`` samples: the whole batches' weights, updates and samples."""
-    whole, a = _train(spec, None)
-    split, b = _train(spec, micro_batch)
-    assert (a.updates, a.seen.samples) == (b.updates, b.seen.samples)
-    for p, q in zip(whole, split, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=2e-6)
+@example(
+    {
+        "sizes": [16, 4],
+        "micro_batch": 4,
+        "every": 2,
+        "weight": None,
+        "optimizer": "sgd",
+        "clip": None,
+        "epochs": 1,
+        "layout": "names first, nested",
+        "norm": "none",
+        "seed": 1,
+    }
+)
+@example(
+    {
+        "sizes": [6, 6],
+        "micro_batch": 3,
+        "every": 1,
+        "weight": None,
+        "optimizer": "sgd",
+        "clip": None,
+        "epochs": 1,
+        "layout": "tuple",
+        "norm": "batchnorm_train",
+        "seed": 2,
+    }
+)
+def test_micro_batches_change_no_update(spec: mb.Spec) -> None:
+    """Chunks of ``micro_batch`` samples, any layout: the whole batches' weights, updates and
+    samples (BatchNorm in training mode: refused, naming it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mb.check(spec)
+
+
+@pytest.mark.dist_group("micro_batch")
+def test_on_two_ranks_micro_batches_change_no_update(dist_results: DistResults) -> None:
+    """2 gloo ranks, a DDP model: each rank's whole-batch update, identical replicas."""
+    results = dist_results.assert_passed("micro_batch")
+    assert any(not r["refused"] for r in results[0]["records"])

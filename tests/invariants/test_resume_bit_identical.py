@@ -1,21 +1,26 @@
 """Invariant 2, resume: a stopped-and-resumed run ends bit-identical to an uninterrupted one.
 
-A run (``World``) is built from a drawn scenario: one ``loopkit.step`` or a ``steps`` group
-of two members (schedulers per member), ``accumulate``, a precision, models with dropout,
-python/numpy randomness in the loop, a ``distributed.loader`` (0 or 1 worker, shuffled or
-not, over an augmenting data set or over a ``loopkit.preload`` cache with an augmenting
-``collate_fn``), ``detach_logging``, ``until`` (``max_epochs``/``max_updates``, a
-``check_every``), ``early_stop`` fed by ``evaluate`` at a ``cadence`` (of the members' EMA
-through ``swapped()`` when they keep one), and a Checkpointer
-saving every few updates. The interrupted run stops at a drawn point (SIGUSR1 caught by
-``until``, a ``max_updates`` stop, or an abrupt crash that drops the objects after the last
-checkpoint), possibly twice; each resume builds fresh objects and calls ``ckpt.resume()``.
+A run (``World``) is built from a drawn scenario: one ``loopkit.step``, a ``steps`` group
+of two members, or a GAN-shaped group (the generator trained through the critic with
+``frozen=``), schedulers per member, ``accumulate``, ``micro_batch=`` (with an
+out-of-memory error at a drawn batch, redone in halved chunks), a precision, models with
+dropout, python/numpy randomness in the loop, a ``distributed.loader`` (0 or 1 worker,
+shuffled or not, over an augmenting data set or over a ``loopkit.preload`` cache with an
+augmenting ``collate_fn``), ``detach_logging`` into a ``CSVSink`` (saved with the step, or
+under ``extra=``; flushing every 1 to 3 calls, so checkpoints fall anywhere between
+flushes), ``until`` (``max_epochs``/``max_updates``, a ``check_every``), ``early_stop`` fed
+by ``evaluate`` at a ``cadence`` (of the members' EMA through ``swapped()`` when they keep
+one or several), and a Checkpointer saving every few updates. The interrupted run stops
+at a drawn point (SIGUSR1 caught by ``until``, a ``max_updates`` stop, or an abrupt crash
+that drops the objects after the last checkpoint), possibly twice; each resume builds fresh
+objects and calls ``ckpt.resume()``.
 
 Compared bit for bit at the end: every parameter, the optimizers' states, the schedulers'
 states and lr, the EMAs (averages, buffers, counters), the counters (updates, skipped, the
 group's windows), the python/numpy/torch random states, the updates at which the cadence
-fired, and the newest checkpoint's content (the loader's place and generator, every piece)
-but its save count and wall-clock time. A resume whose configuration changed (accumulate,
+fired, the tracker's CSV (every row, after the killed runs' rows and the replays), and the
+newest checkpoint's content (the loader's place and generator, every piece) but its save
+count and wall-clock time. A resume whose configuration changed (accumulate,
 precision, members, schedulers, an EMA, batch size; the loader's seed or shuffle when it
 stopped mid-pass: at a pass's boundary another order may start) is refused with
 ``CheckpointError`` before anything loads: every object and random state as it was."""
@@ -85,6 +90,20 @@ def _model(k: int) -> nn.Module:
     return nn.Sequential(nn.Linear(D_IN, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, D_OUT))
 
 
+def _generator() -> nn.Module:
+    torch.manual_seed(99)
+    return nn.Sequential(nn.Linear(D_IN, D_IN), nn.Tanh())
+
+
+def _averages(model: nn.Module, kind: object) -> Any:
+    """None, one EMA (every= 1 or 2), or two decays as a list."""
+    if kind is None:
+        return None
+    if kind == "two":
+        return [loopkit.ema(model, decay=0.9, warmup=True), loopkit.ema(model, decay=0.5, every=2)]
+    return loopkit.ema(model, decay=0.9, warmup=True, every=int(kind))  # type: ignore[call-overload]
+
+
 class World:
     """Every object of the run, built fresh as a (re)started script builds them."""
 
@@ -106,8 +125,9 @@ class World:
         )  # fmt: skip
         val = Augmented(5, noisy=False)
         self.val_loader = distributed.loader(val, batch_size=2, shuffle=False, num_workers=0)
-        n_members = 2 if spec["shape"] == "steps" else 1
-        self.models = [_model(k) for k in range(n_members)]
+        n_members = 1 if spec["shape"] == "step" else 2
+        gan = spec["shape"] == "gan"  # models[1] is a generator trained through models[0]
+        self.models = [_model(0), _generator()] if gan else [_model(k) for k in range(n_members)]
         self.opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in self.models]
         self.scheds = [
             torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.7)
@@ -115,36 +135,42 @@ class World:
             else None
             for o in self.opts
         ]
-        # An EMA per member (every= 1 or 2), saved with its step; validated through swapped().
-        ema_every = spec.get("ema")
-        self.averages = [
-            loopkit.ema(m, decay=0.9, warmup=True, every=ema_every) if ema_every else None
-            for m in self.models
-        ]
-        self.logged: list[Any] = []
-        log = loopkit.detach_logging(every=2, sink=self.logged.append) if spec["log"] else None
+        # EMAs per member (every= 1 or 2, or two decays), saved with the step; validated
+        # through swapped().
+        self.averages = [_averages(m, spec.get("ema")) for m in self.models]
+        # A tracker writing CSV rows as it flushes: rows a killed run wrote stay on disk.
+        self.csv = root / "metrics.csv"
+        log_every, log_where = spec["log"] or (None, None)
+        log = (
+            loopkit.detach_logging(every=log_every, sink=[loopkit.CSVSink(self.csv)])
+            if log_every else None
+        )  # fmt: skip
+        self.log = log
         self.steps = [
             loopkit.step(
                 m, o, precision=spec["precision"], accumulate=spec["every"], scheduler=s,
                 log=log if k == 0 else None, skip_nonfinite=True, ema=self.averages[k],
+                micro_batch=spec.get("micro_batch"), frozen=[self.models[0]] if gan and k else (),
             )
             for k, (m, o, s) in enumerate(zip(self.models, self.opts, self.scheds, strict=True))
         ]  # fmt: skip
+        extra: dict[str, Any] = {"log": log} if log is not None and log_where == "extra" else {}
         if change == "members":  # the same models, one member less in the group
             self.clock: Any = loopkit.steps(self.steps[0])
-        elif spec["shape"] == "steps":
+        elif spec["shape"] != "step":
             self.clock = loopkit.steps(*self.steps)
         else:
             self.clock = self.steps[0]
-        if spec["shape"] == "steps":
+        if spec["shape"] != "step":
             self.ckpt = loopkit.Checkpointer(
                 root / "ckpt", model=nn.ModuleList(self.models), step=self.clock,
-                loader=self.loader, extra={f"opt{k}": o for k, o in enumerate(self.opts)},
+                loader=self.loader,
+                extra={**extra, **{f"opt{k}": o for k, o in enumerate(self.opts)}},
             )  # fmt: skip
         else:
             self.ckpt = loopkit.Checkpointer(
                 root / "ckpt", model=self.models[0], optimizer=self.opts[0],
-                scheduler=self.scheds[0], step=self.clock, loader=self.loader,
+                scheduler=self.scheds[0], step=self.clock, loader=self.loader, extra=extra,
             )  # fmt: skip
         self.early = None
         if spec["early_stop"] is not None:
@@ -178,8 +204,22 @@ class World:
         here = [self.loader.epoch - 1, self.loader.position - clock.lookahead - 1]
         if here == list(self.spec["inf_at"] or ()):
             noise = float("inf")
+        # An out-of-memory error at a drawn batch, in chunks over half the drawn size: the
+        # window is redone in halved chunks (and the chunk size stays halved).
+        oom = here == list(self.spec.get("oom_at") or ()) and len(x) > self.spec["micro_batch"] // 2
+        if self.spec["shape"] == "gan":
+            critic, generator = self.models
+            with self.steps[0] as st_:
+                real = nn.functional.mse_loss(critic(x).float(), y)
+                fake = critic(generator(x).detach()).float().pow(2).mean()
+                st_.backward((real + 0.1 * fake) * (1 + 1e-3 * noise))
+            with self.steps[1] as st_:
+                st_.backward(-critic(generator(x)).float().mean() * 0.1)
+            return
         for m, s in zip(self.models, self.steps, strict=True):
             with s as st_:
+                if oom:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
                 out = m(x)
                 st_.backward(nn.functional.mse_loss(out.float(), y) * (1 + 1e-3 * noise))
 
@@ -202,6 +242,8 @@ class World:
                     if self.cadence.due():
                         self.fired.append((self.clock.updates, self.windows()))
                         average = self.averages[0]
+                        if isinstance(average, list):
+                            average = average[0]  # the slow one of two decays
                         with average.swapped() if average else contextlib.nullcontext():
                             metrics = loopkit.evaluate(self.models[0], self.val_loader,
                                                        squared_error)  # fmt: skip
@@ -237,7 +279,7 @@ class World:
             state["loader"].pop("generator", None)
         if isinstance(state.get("until"), dict):
             state["until"].pop("elapsed", None)
-        return state
+        return _without_run_ids(state)
 
     def windows(self) -> int:
         """Windows closed so far, skipped ones included (the update count repeats on a skip)."""
@@ -258,9 +300,23 @@ class World:
             "lr": [o.param_groups[0]["lr"] for o in self.opts],
             "counters": [(s.updates, s.skipped) for s in self.steps],
             "group": getattr(self.clock, "updates", None),
-            "ema": [a.snapshot() for a in self.averages if a is not None],
+            "ema": [a.snapshot() for a in _flat(self.averages)],
             "rng": (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()),
         }
+
+
+def _flat(averages: list[Any]) -> list[loopkit.ema]:
+    """Every member's EMAs (none, one, or a list of decays), in order."""
+    return [a for av in averages if av is not None for a in (av if isinstance(av, list) else [av])]
+
+
+def _without_run_ids(state: Any) -> Any:
+    """A checkpoint's state less its trackers' run ids (a run's own directory, by design)."""
+    if isinstance(state, dict):
+        return {k: _without_run_ids(v) for k, v in state.items() if k != "run_id"}
+    if isinstance(state, list):
+        return [_without_run_ids(v) for v in state]
+    return state
 
 
 def changed(spec: Spec, change: str | None) -> Spec:
@@ -279,7 +335,7 @@ def changed(spec: Spec, change: str | None) -> Spec:
     elif change == "scheduler":
         spec["scheduler"] = not spec["scheduler"]
     elif change == "ema":
-        spec["ema"] = None if spec.get("ema") else 1
+        spec["ema"] = {None: 1, 1: None, 2: None, "two": 1}[spec.get("ema")]
     return spec
 
 
@@ -323,8 +379,17 @@ def runs(draw: Any) -> Spec:
     event = st.tuples(
         st.sampled_from(["signal", "crash", "max_updates"]), st.integers(1, micro_total)
     )
+    shape = draw(st.sampled_from(["step", "step", "steps", "gan"]))
+    micro_batch = draw(st.none() | st.integers(1, 3)) if shape != "gan" else None
+    oom = shape == "step" and micro_batch is not None and micro_batch >= 2
     return {
-        "shape": draw(st.sampled_from(["step", "step", "steps"])),
+        "shape": shape,
+        "micro_batch": micro_batch,
+        "oom_at": draw(
+            st.none() | st.tuples(st.integers(0, epochs - 1), st.integers(0, batches - 1))
+        )
+        if oom
+        else None,
         "every": every,
         "precision": draw(st.sampled_from(["fp32", "fp32", "bf16", "fp16"])),
         "samples": samples,
@@ -334,8 +399,8 @@ def runs(draw: Any) -> Spec:
         "workers": draw(st.sampled_from([0, 0, 0, 1])),
         "source": draw(st.sampled_from(["tensors", "tensors", "preload"])),
         "scheduler": draw(st.booleans()),
-        "ema": draw(st.sampled_from([None, 1, 2])),
-        "log": draw(st.booleans()),
+        "ema": draw(st.sampled_from([None, 1, 2, "two"])),
+        "log": draw(st.none() | st.tuples(st.integers(1, 3), st.sampled_from(["step", "extra"]))),
         "early_stop": draw(st.none() | st.integers(1, 2)),
         "cadence": (cadence, value),
         "epochs": epochs,
@@ -364,6 +429,8 @@ def _run(
         # its boundary happened before its save (the loop validates, then saves).
         fired = [f for f in fired if f[1] <= world.resumed_at] + world.fired
     assert world is not None
+    if world.log is not None:
+        world.log.close()  # the script's end: the last rows
     return world, fired
 
 
@@ -373,7 +440,8 @@ def _run(
 @example(
     {"shape": "step", "every": 1, "precision": "fp32", "samples": 8, "batch_size": 2,
      "shuffle": False, "loader_seed": 0, "workers": 0, "source": "tensors", "scheduler": False,
-     "log": False, "early_stop": None, "cadence": ("updates", 1), "epochs": 1,
+     "log": None, "early_stop": None, "cadence": ("updates", 1), "epochs": 1,
+     "micro_batch": None, "oom_at": None, "ema": None,
      "max_updates": None, "check_every": 1, "save_every": 1, "events": [("max_updates", 1)],
      "inf_at": (0, 1)}
 )  # fmt: skip
@@ -389,6 +457,10 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(spec: Spec) ->
         if fired != fired_whole:
             said = f"cadence fired at (update, windows) {fired}, uninterrupted {fired_whole}"
             problems.append(said)
+        if spec["log"] is not None:
+            rows, rows_whole = (w.csv.read_text().splitlines() for w in (resumed, whole))
+            if rows != rows_whole:
+                problems.append(f"the tracker's CSV: {rows[:8]} != uninterrupted {rows_whole[:8]}")
         whole.close()
         resumed.close()
         assert not problems, "; ".join(problems[:6])
