@@ -2,17 +2,18 @@
 looking one batch ahead, or by counting to the iterable's length.
 
 Looking ahead takes batch i+1 from the iterable before batch i's micro-step runs. Where
-taking a batch runs the data set in this process (a ``DataLoader`` with ``num_workers=0``,
-a ``Sized`` iterable of the user's), that moves the data set's random draws before the
-micro-step's (dropout, noise), and the run no longer sees the random stream of the loop
-written by hand. There the batches are taken when the loop asks, as a plain ``for`` loop
-takes them, and the last is known by counting to ``len()``; an iterable that ends before
-its length (or that has none) closes its open window when it ends, before the loop does.
+taking a batch can run code that draws random numbers in this process (a ``DataLoader``
+with ``num_workers=0`` running its data set, an ``IterableDataset``, a generator of the
+user's), that would move those draws before the micro-step's (dropout, noise), and the
+run would no longer see the random stream of the loop written by hand. There the batches
+are taken when the loop asks, as a plain ``for`` loop takes them, and the last is known by
+counting to ``len()``; an iterable that ends before its length, or that has none, closes
+its open window when it ends, before the loop goes on (``step.updated`` is then not yet
+true inside the last micro-step).
 
-Ahead is kept where taking a batch cannot draw from this process's random streams: a
-``distributed.loader`` (each batch's draws come from its own key, the streams put back),
-a ``DataLoader`` with workers, an in-memory sequence; and where nothing else can tell
-the last batch (an iterator of unknown length that is not a ``DataLoader``).
+Ahead is kept only where taking a batch cannot draw from this process's random streams: a
+``distributed.loader`` (each batch's draws come from its own key, the streams put back), a
+``DataLoader`` with workers, an in-memory sequence or tensor.
 """
 
 from __future__ import annotations
@@ -46,16 +47,14 @@ def _taken_here(source: object) -> bool:
 
 def counted_length(source: object) -> int | None:
     """The batches to count to instead of looking ahead: None to look ahead, -1 to count
-    with no known end (a ``DataLoader`` without workers and without a length)."""
+    with no known end (closed when the batches end)."""
     if not _taken_here(source):
         return None
     try:
         n = len(source)  # type: ignore[arg-type]
     except TypeError:
-        n = None
-    if isinstance(n, int) and n >= 0:
-        return n
-    return -1 if isinstance(source, DataLoader) else None
+        return -1
+    return n if isinstance(n, int) and n >= 0 else -1
 
 
 def marked(

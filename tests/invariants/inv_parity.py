@@ -8,7 +8,8 @@ AdamW; clipping or none; a scheduler or none; ``accumulate=k``; and where the ba
 from and where they draw random numbers: a ``Dataset`` drawing from torch, numpy and python
 in ``__getitem__`` behind a ``DataLoader`` without workers (shuffled or not), a
 ``collate_fn`` that draws, an ``IterableDataset`` without a length behind a ``DataLoader``,
-a plain list of ``(x, y)`` tuples or of stacked tensors, and a ``distributed.loader``.
+a ``Sized`` iterable of the user's that draws as it hands out batches, a plain list of
+``(x, y)`` tuples or of stacked tensors, and a ``distributed.loader``.
 
 Both loops start from the same seeds and build the same objects; ``run_loopkit`` trains with
 ``for x, y in step.iterate(source): with step as s: s.backward(loss)``, ``run_hand`` with
@@ -20,6 +21,7 @@ is not bit-identical between the two ``Trace``s.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -41,7 +43,7 @@ D = 4
 """Input and output width (equal, so a stacked tensor of shape (2, b, D) unpacks as x, y)."""
 WIDTH = 6
 
-SOURCES = ["map", "collate", "iterable", "list", "tensors", "dist_loader"]
+SOURCES = ["map", "collate", "iterable", "sized", "list", "tensors", "dist_loader"]
 """Where the batches come from (and where they draw random numbers): see ``make_source``."""
 
 
@@ -59,7 +61,8 @@ class Net(nn.Module):
         self.b_out = nn.Linear(WIDTH, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b_out(self.drop(torch.tanh(self.norm(self.w_in(x)))))
+        out: torch.Tensor = self.b_out(self.drop(torch.tanh(self.norm(self.w_in(x)))))
+        return out
 
 
 def param_groups(spec: Spec, model: nn.Module) -> list[dict[str, Any]]:
@@ -82,7 +85,7 @@ def param_groups(spec: Spec, model: nn.Module) -> list[dict[str, Any]]:
     bounds = [0, *cuts, len(order)]
     return [
         {"params": [named[n] for n in order[a:b]], "lr_scale": 1.0 + 0.5 * g}
-        for g, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        for g, (a, b) in enumerate(itertools.pairwise(bounds))
         if b > a
     ]
 
@@ -140,6 +143,20 @@ class Stream(IterableDataset[Batch]):
             yield _noise(x), y
 
 
+class SizedBatches:
+    """A Sized iterable of the user's (no DataLoader): each batch augmented as it is taken."""
+
+    def __init__(self, pairs: list[Batch]) -> None:
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for x, y in self.pairs:
+            yield _noise(x), y
+
+
 def noisy_collate(items: list[Batch]) -> Batch:
     """Stack a batch and augment it in ``collate_fn`` (torch's stream, once per batch)."""
     x = torch.stack([a for a, _ in items])
@@ -167,6 +184,8 @@ def make_source(spec: Spec) -> Iterable[Any]:
         )  # fmt: skip
     starts = range(0, n - b + 1 if drop_last else n, b)
     pairs = [(xs[i : i + b], ys[i : i + b]) for i in starts]
+    if kind == "sized":
+        return SizedBatches(pairs)
     if kind == "tensors":
         return [torch.stack(p) for p in pairs]  # each item (2, b, D): unpacks as x, y
     return pairs
@@ -373,7 +392,9 @@ def differences(got: Trace, ref: Trace) -> list[str]:
     """What is not bit-identical between loopkit's run and the hand loop's (empty: parity)."""
     problems = []
     if not _same_tensors(got.sums, ref.sums):
-        problems.append(f"the batches seen differ (x.sum() per micro-step: {_gap(got.sums, ref.sums)})")
+        problems.append(
+            f"the batches seen differ (x.sum() per micro-step: {_gap(got.sums, ref.sums)})"
+        )
     if not _same_tensors(got.losses, ref.losses):
         problems.append(f"the losses differ ({_gap(got.losses, ref.losses)})")
     if got.updates != ref.updates:

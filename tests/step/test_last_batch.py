@@ -122,13 +122,31 @@ def test_a_length_not_kept_closes_the_window_when_the_batches_end() -> None:
 
 
 def test_lookahead_is_kept_where_taking_a_batch_draws_nothing_here() -> None:
-    """distributed.loader, workers and in-memory sequences are looked ahead; the rest counted."""
+    """distributed.loader, workers and in-memory sequences are looked ahead; the rest counted
+    (generators too: they may draw as they yield)."""
     data = torch.utils.data.TensorDataset(torch.randn(8, 2))
     assert _last_batch.counted_length(distributed.loader(data, batch_size=2)) is None
     assert _last_batch.counted_length([1, 2, 3]) is None
     with_workers = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1)
     assert _last_batch.counted_length(with_workers) is None
     assert _last_batch.counted_length(torch.utils.data.DataLoader(data, batch_size=3)) == 3
-    assert _last_batch.counted_length(iter([1, 2])) is None  # no length: looked ahead
+    assert _last_batch.counted_length(iter([1, 2])) == -1  # no length: counted, closed at its end
     stream = torch.utils.data.DataLoader(_NoisyStream(), batch_size=3)
     assert _last_batch.counted_length(stream) == -1  # counted, closed when it ends
+
+
+@pytest.mark.parametrize("how", ["step", "group"])
+def test_a_generator_that_draws_keeps_the_hand_loops_random_stream(how: str) -> None:
+    """A generator drawing its batches as it yields (an IterableDataset handed to iterate
+    directly): batches and weights equal the plain loop's; the ragged window closes at its end."""
+
+    def make() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(7):
+            yield torch.randn(2, 4), torch.randn(2, 1)
+
+    hand, w_hand, n = _train(make, "hand", 1, None)
+    got, w_got, updates = _train(make, how, 1, None)
+    assert got == hand and updates == n == 7
+    assert all(torch.equal(a, b) for a, b in zip(w_hand, w_got, strict=True))
+    _, _, updates = _train(make, "step", 3, None)
+    assert updates == 3  # 7 batches, windows of 3: the last (ragged) one closed at the end
