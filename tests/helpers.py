@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from torch import nn
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 ROOT = Path(__file__).resolve().parent.parent
+DEEP = os.environ.get("LOOPKIT_DEEP", "").strip() not in ("", "0", "false", "False", "no")
+"""LOOPKIT_DEEP=1: the long runs (invariants' examples, kills of a crash test) go further."""
 """The repository's root (tests live in folders below tests/, helpers directly in it)."""
 
 # Imported from here, not from conftest: tests/invariants has a conftest.py of its own, and

@@ -148,7 +148,7 @@ class Mover:
                 # A copy keeps what the type carries besides its items (defaultdict's
                 # factory, a UserDict subclass's attributes); the user's mapping is never
                 # written to.
-                new = _unshared_copy(obj)
+                new = unshared_copy(obj)
                 for k, v in items.items():
                     new[k] = v
                 return new
@@ -170,7 +170,7 @@ class Mover:
                 return set(moved_set)
             if isinstance(obj, frozenset):
                 return frozenset(moved_set) if type(obj) is frozenset else type(obj)(moved_set)
-            new_set = _unshared_copy(obj)
+            new_set = unshared_copy(obj)
             new_set.clear()
             for v in moved_set:
                 new_set.add(v)
@@ -180,7 +180,7 @@ class Mover:
             moved_seq = [self(v) for v in obj]
             if type(obj) is collections.deque:
                 return collections.deque(moved_seq, maxlen=obj.maxlen)
-            new_seq = _unshared_copy(obj)
+            new_seq = unshared_copy(obj)
             new_seq.clear()
             new_seq.extend(moved_seq)
             return new_seq
@@ -198,7 +198,7 @@ class Mover:
 _STORAGE = (MutableMapping, MutableSequence, MutableSet)
 
 
-def _unshared_copy(obj: T) -> T:
+def unshared_copy(obj: T) -> T:
     """A shallow copy of ``obj`` whose item storage is its own: writing to it leaves ``obj`` alone.
 
     ``copy.copy`` of a container that keeps its items in an attribute (``self._data =
@@ -209,7 +209,7 @@ def _unshared_copy(obj: T) -> T:
         new = copy.copy(obj)
     except Exception as err:
         raise TypeError(
-            f"to_device cannot copy a {type(obj).__name__} to hold the moved tensors ({err}); "
+            f"cannot copy a {type(obj).__name__} to hold the batch's new tensors ({err}); "
             "pass a dict, list or tuple instead, or give the type a working __copy__"
         ) from err
     if isinstance(obj, (dict, list, set, collections.deque)):

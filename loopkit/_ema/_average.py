@@ -18,14 +18,15 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._errors import CheckpointError
-from .._parallel._grad_sync import sync_kind, unwrap
+from .._parallel._grad_sync import plain_key, sync_kind, unwrap
 from ._decay import check_settings, decay_at
 
 
@@ -92,9 +93,12 @@ class ema:
         self._module = module
         self.decay, self.every, self.warmup = float(decay), int(every), warmup
         self.warmup_gamma, self.warmup_power = float(warmup_gamma), float(warmup_power)
-        self._names = [n for n, _ in named]
+        # Names without torch.compile's _orig_mod levels: a checkpoint resumes whether a
+        # block is compiled or not (the first raw name finds the parameter again).
+        self._names = [plain_key(n) for n, _ in named]
+        self._first = named[0][0]
         self._params = [p for _, p in named]
-        self._buffer_names = [n for n, _ in module.named_buffers()]
+        self._buffer_names = [plain_key(n) for n, _ in module.named_buffers()]
         self._buffers = [b for _, b in module.named_buffers()]
         with torch.no_grad():
             # clone(): .float() of an fp32 tensor is the tensor itself.
@@ -107,8 +111,7 @@ class ema:
         # The steps given it (weakly: a step rebuilt for a phase takes it on, the old one
         # goes), and the parameters' versions as a step last counted an update.
         self._steps: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._counted_at: list[int] | None = None
-        self._built_at = self._versions()
+        self._counted_at: dict[int, int] | None = None  # each optimizer's steps then
         self._told = False  # the "never averaged" warning is given once
 
     # -- updating ------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ class ema:
     def update(self) -> bool:
         """Count one optimizer update (call it after ``optimizer.step()``); average on every
         ``every``-th. Returns whether it averaged."""
-        if self._steps and self._counted_at == self._versions():
+        if self._steps and not _stepped_since(self._counted_at, self._params):
             raise RuntimeError(
                 "this ema is updated by the loopkit.step (or accumulate) it was given to "
                 "(ema=), which already counted the update that made these weights: remove the "
@@ -128,13 +131,13 @@ class ema:
         """``step`` counts each of its real updates here (``ema=``; several steps may, one
         after the other: a run's phases, each its own step)."""
         self._steps.add(step)
-        self._counted_at = self._versions()  # these weights are counted already
+        self._counted_at = _optimizer_steps()  # these weights are counted already
 
     def advance(self) -> bool:
         """One real optimizer update happened (what a step given this ema calls)."""
         self._check_model()
         if self._steps:
-            self._counted_at = self._versions()
+            self._counted_at = _optimizer_steps()
         self.seen += 1
         if self.seen % self.every:
             return False
@@ -144,13 +147,9 @@ class ema:
         self.updates += 1
         return True
 
-    def _versions(self) -> list[int]:
-        """The parameters' version counters (an in-place update bumps them; no device work)."""
-        return [_local(p)._version for p in self._params]
-
     def _never_averaged(self) -> None:
         """Warn once where the average is used but never moved while its model trained."""
-        if self._told or self.seen or self._versions() == self._built_at:
+        if self._told or self.seen or not self._trained():
             return
         self._told = True
         warnings.warn(
@@ -161,10 +160,17 @@ class ema:
             stacklevel=3,
         )
 
+    @torch.no_grad()
+    def _trained(self) -> bool:
+        """Whether the weights moved since the ema was built (never averaged, the shadow
+        still holds them). Host-device sync: only while never averaged, where used."""
+        return any(not torch.equal(_local(p).float(), s)
+                   for p, s in zip(self._params, self.shadow, strict=True))  # fmt: skip
+
     def _check_model(self) -> None:
         """Refuse to average tensors the model no longer trains (checked on one: O(1))."""
         first = self._params[0]
-        if self._module.get_parameter(self._names[0]) is not first:
+        if self._module.get_parameter(self._first) is not first:
             raise RuntimeError(
                 "the model's parameters were replaced after its ema was built (a to() that "
                 "makes new ones, load_state_dict(assign=True)): build the ema afterwards"
@@ -222,8 +228,8 @@ class ema:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         module = _inner(model)
-        named_params = dict(module.named_parameters())
-        named_buffers = dict(module.named_buffers())
+        named_params = {plain_key(n): p for n, p in module.named_parameters()}
+        named_buffers = {plain_key(n): b for n, b in module.named_buffers()}
         missing = [n for n in self._names if n not in named_params]
         missing += [n for n in self._buffer_names if n not in named_buffers]
         if missing:
@@ -335,3 +341,30 @@ def _check_saved(self: ema, state: object) -> None:
                 raise CheckpointError(
                     f"the ema's saved {label} {name!r} does not fit this model's {tuple(t.shape)}"
                 )
+
+
+# Optimizer steps taken in this process, by optimizer (weakly), counted once an ema is given
+# to a step: an update() right after a step counted one, with no step since of an optimizer
+# holding the ema's parameters, counts the same weights twice.
+_STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_HOOKED: list[object] = []
+
+
+def _optimizer_steps() -> dict[int, int]:
+    """Each optimizer's steps so far (by id; fused ones included), counted by one global
+    step hook, added when first needed."""
+    if not _HOOKED:
+        _HOOKED.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    return {id(opt): n for opt, n in _STEPS.items()}
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    _STEPS[optimizer] = _STEPS.get(optimizer, 0) + 1
+
+
+def _stepped_since(counted: dict[int, int] | None, params: Sequence[torch.Tensor]) -> bool:
+    """Whether an optimizer holding any of ``params`` stepped since the ``counted`` steps."""
+    before, now = counted or {}, _optimizer_steps()
+    moved = [o for o in list(_STEPS) if now.get(id(o)) != before.get(id(o))]
+    mine = {id(p) for p in params}
+    return any(id(p) in mine for o in moved for g in o.param_groups for p in g["params"])

@@ -16,8 +16,10 @@ class CSVSink(Tracker):
 
     A metric that appears later adds a column: the file is rewritten once with the wider
     header (earlier rows get an empty cell). Hyperparameters go to ``<path>.config.json``.
-    A resumed run appends to the same file; a new run (no resume) starts it afresh. Several
-    rows may share a step (a log that flushes more often than the step updates).
+    A resumed run appends to the same file, after the rows its checkpoint holds (the later
+    ones are written again, as the uninterrupted run wrote them); a new run (no resume)
+    starts it afresh. Several rows may share a step (a log that flushes more often than the
+    step updates).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -32,11 +34,37 @@ class CSVSink(Tracker):
         if run_id is not None and self.path.exists():
             with self.path.open(newline="") as f:
                 self._columns = next(csv.reader(f), [])
+            self._keep_held()
         else:
             self.path.write_text("")
             self._columns = []
         self._open()
         return str(self.path)
+
+    def _keep_held(self) -> None:
+        """Drop the rows past the position the checkpoint holds: the resumed run writes them
+        again, as the uninterrupted run did (a killed run's rows, and a row a stopped run's
+        ``close()`` flushed early from values the checkpoint still holds unflushed)."""
+        with self.path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        kept: list[dict[str, str]] = []
+        at = 0
+        for row in rows:
+            step = int(row["step"]) if row.get("step") else None
+            if step is None or self.last_step is None or step > self.last_step:
+                break
+            at = at + 1 if kept and kept[-1].get("step") == row["step"] else 1
+            if step == self.last_step and self.last_count is not None and at > self.last_count:
+                break
+            kept.append(row)
+        if len(kept) == len(rows):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, self._columns)
+            writer.writeheader()
+            writer.writerows(kept)
+        os.replace(tmp, self.path)
 
     def _open(self) -> None:
         self._file = self.path.open("a", newline="")

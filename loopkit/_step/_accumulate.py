@@ -244,13 +244,18 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     ) -> None:
         if exc_type is not None:
             self._guard.raised()
+            self._window.failed += 1
         try:
             self._sync.exit(exc_type, exc, tb)
         finally:
             self._inside = False
             _open_steps.close(self)
         if exc_type is None and self._ending:
-            _close_window(self)
+            try:
+                _close_window(self)
+            except BaseException:
+                self._guard.raised()  # a window its end refused is left by the error
+                raise
 
     # -- window ends ------------------------------------------------------------------------
 

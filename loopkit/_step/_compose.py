@@ -111,7 +111,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         self.amp = autocast_step(precision, device_type=self.device.type)
         self.log: _detach.detach_logging | None = _make_log(log)
         self.chunks = chunks  # micro_batch=: the chunk size now
-        chunks.watch(unwrap(model))
+        chunks.watch(unwrap(model), frozen)
         self.seen = _feed.Seen()
         """Samples, tokens and epochs ``iterate`` handed out: the log's other x-axes."""
         self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
@@ -138,6 +138,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         self._in_autocast = False
         self._loss: torch.Tensor | None = None
         self._extra: dict[str, Any] = {}
+        self._weight: Weight | None = None  # the micro-step's weight= (its log record's)
 
     # -- the micro-step: the composition order, one line per middleware ----------------------
 
@@ -177,6 +178,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         if self._in_autocast:
             self._in_autocast = False
             self.amp.__exit__(None, None, None)
+        self._weight = self._weight if self.accumulator._did_backward else weight  # its record's
         self.accumulator.backward(loss, _feed.chunk_weight(self, weight), **autograd)
         if self.log is not None:
             detached = loss.detach()
@@ -196,8 +198,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
     ) -> bool:
         doc = self.doctor
         # The record is taken out first: whatever fails, none of it is logged by the next.
-        loss, extra = self._loss, self._extra
-        self._loss, self._extra = None, {}
+        loss, extra, weight = self._loss, self._extra, self._weight
+        self._loss, self._extra, self._weight = None, {}, None
         try:
             try:
                 # 6. autocast_step exits if backward did not already leave it.
@@ -219,7 +221,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
                     extra["loss"] = loss
                 # A chunk of a batch (micro_batch=) adds to its batch's record, logged once
                 # the batch is done: the log counts and averages whole batches.
-                record = self.chunks.batch_record(extra)
+                record = self.chunks.batch_record(extra, log._how, weight)
                 if record:
                     with _phase(doc, "logging"):
                         log.record(record)
@@ -306,10 +308,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         _feed.restore(self, state)  # what was seen, the chunk size
 
     def __repr__(self) -> str:
-        return (
-            f"loopkit.step(precision={self.amp.precision!r}, "
-            f"accumulate={self.accumulator.every}, device={str(self.device)!r})"
-        )
+        said = f"accumulate={self.accumulator.every}, device={str(self.device)!r}"
+        return f"loopkit.step(precision={self.amp.precision!r}, {said})"
 
 
 class _Frozen:

@@ -67,7 +67,7 @@ def sync_by_hand(
         ref = float(w_ref) if weighted else 0.0
     # As without DDP: only a window with no backward of its own whose parameters were
     # trained by another backward raises (gradients cleared as it opened are not its own).
-    foreign = n == 0 and (window.cleared_foreign or has_grads)
+    foreign = window.foreign(has_grads)
     extras = [
         0.0 if weighted else float(n),  # unweighted backward calls
         float(n) if weighted else 0.0,  # weighted backward calls
@@ -115,7 +115,7 @@ def end_of_window(
         factor = sync_by_hand(model, window, every, reference, params.have_grads(), group)
         return factor is not None, factor
     if window.n_backward == 0:
-        if window.cleared_foreign or params.have_grads():
+        if window.foreign(params.have_grads()):
             # Its parameters are trained by a backward it did not make, and would silently
             # never be updated.
             raise RuntimeError(FOREIGN)

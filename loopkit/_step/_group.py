@@ -140,7 +140,7 @@ class steps:
                 if ends:  # counted as the window's batch begins, so a save in it has its number
                     self.updates += 1
                     self._counted = True
-                parts = self._parts(cur)
+                parts = self._parts(cur, getattr(iterable, "batch_size", None))
                 for j, (part, share) in enumerate(parts, start=1):
                     # With micro_batch= each chunk is a micro-step; the batch's last one ends.
                     item_ends = ends and j == len(parts)
@@ -149,6 +149,8 @@ class steps:
                         acc._closed_by_group = None
                         m.chunks.share = None if m.chunks.size is None or by_member else share
                         m.chunks.batch_last = j == len(parts)
+                        if m.doctor is not None:  # its FLOPs scale by each micro-step's samples
+                            m.doctor.step_samples(_micro_batch.leading_size(part))
                     self._ends = item_ends
                     with contextlib.ExitStack() as iteration:
                         # The whole iteration, forwards outside the steps included, runs as
@@ -171,12 +173,12 @@ class steps:
             for m, acc in zip(self.members, accs, strict=True):
                 acc._final_pending = acc._by_marks = False
                 acc._closed_by_group = None
-                m.chunks.share, m.chunks.batch_last, m.chunks.record = None, True, {}
+                m.chunks.share, m.chunks.batch_last, m.chunks.record = None, True, []
             self._ends = False
             self._asking.batch = None
             self.lookahead = 0
 
-    def _parts(self, batch: T) -> list[tuple[T, float]]:
+    def _parts(self, batch: T, hint: object = None) -> list[tuple[T, float]]:
         """The batch as handed out: whole, or in chunks of the members' ``micro_batch``."""
         size = self.members[0].chunks.size
         if size is None and not self.members[0].chunks.by_member:
@@ -185,11 +187,7 @@ class steps:
             m.accumulator._by_marks = True  # windows end at the batch's last chunk
         if size is None or self.members[0].chunks.by_member:
             return [(batch, 1.0)]  # each member splits it (step.split)
-        parts = _micro_batch.chunks(batch, size)
-        if len(parts) > 1:
-            for m in self.members:
-                m.chunks.refuse_batch_statistics()
-        return parts
+        return _micro_batch.chunks(batch, size, self.members[0].chunks, hint)
 
     def _close_skipped(self, entered: bool) -> None:
         """On a window's last batch, after its micro-steps: close the members not entered.

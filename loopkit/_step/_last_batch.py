@@ -3,26 +3,40 @@ looking one batch ahead, or by counting to the iterable's length.
 
 Looking ahead takes batch i+1 from the iterable before batch i's micro-step runs. Where
 taking a batch can run code that draws random numbers in this process (a ``DataLoader``
-with ``num_workers=0`` running its data set, an ``IterableDataset``, a generator of the
-user's), that would move those draws before the micro-step's (dropout, noise), and the
-run would no longer see the random stream of the loop written by hand. There the batches
-are taken when the loop asks, as a plain ``for`` loop takes them, and the last is known by
-counting to ``len()``; an iterable that ends before its length, or that has none, closes
-its open window when it ends, before the loop goes on (``step.updated`` is then not yet
-true inside the last micro-step).
+with ``num_workers=0`` running its data set, a sampler of the user's, a ``Sized`` iterable
+of the user's), that would move those draws before the micro-step's (dropout, noise), and
+the run would no longer see the random stream of the loop written by hand. There the
+batches are taken when the loop asks, as a plain ``for`` loop takes them, and the last is
+known by counting to ``len()``; at the counted last one the next is asked for (past the
+end that draws nothing) to confirm it: a length that was not kept goes on looking ahead
+from there, and an iterable that ends before its length closes its open window as it ends.
+(An ``IterableDataset``'s loader is taken at its word: past its end its code would run.)
 
-Ahead is kept only where taking a batch cannot draw from this process's random streams: a
-``distributed.loader`` (each batch's draws come from its own key, the streams put back), a
-``DataLoader`` with workers, an in-memory sequence or tensor.
+Ahead is kept where taking a batch cannot draw from this process's random streams (a
+``distributed.loader``: each batch's draws come from its own key, the streams put back; a
+``DataLoader`` with workers and torch's own samplers; an in-memory sequence or tensor),
+and where nothing else tells the last batch (an iterable without a length: a generator,
+an ``IterableDataset`` without ``__len__``), so that loop control sees every window end
+inside the loop body. Such an iterable that draws random numbers as it yields does not
+keep the hand loop's random stream: give it a ``__len__``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
 
 from .._data._epoch_loader import EpochLoader
 
@@ -35,26 +49,37 @@ class Holder(Protocol):
     lookahead: int
 
 
+# Samplers that draw nothing per index: a DataLoader's workers run the data set, its main
+# process only takes indices from these (a RandomSampler draws its order as a pass starts).
+_QUIET_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, DistributedSampler)
+
+
 def _taken_here(source: object) -> bool:
-    """Whether taking a batch of ``source`` may run its data set in this process."""
+    """Whether taking a batch of ``source`` may run code drawing random numbers here."""
     if isinstance(source, EpochLoader):
         return False  # reseeded per batch, the streams put back: order does not matter
     if isinstance(source, DataLoader):
-        return source.num_workers == 0
+        if source.num_workers == 0:
+            return True
+        if isinstance(source.dataset, IterableDataset):
+            return False  # no sampler: the workers take the items
+        quiet = (
+            type(source.batch_sampler) is BatchSampler and type(source.sampler) in _QUIET_SAMPLERS
+        )
+        return not quiet
     # An in-memory sequence is already made; anything else may make its items as it goes.
     return not isinstance(source, (Sequence, torch.Tensor))
 
 
 def counted_length(source: object) -> int | None:
-    """The batches to count to instead of looking ahead: None to look ahead, -1 to count
-    with no known end (closed when the batches end)."""
+    """The batches to count to instead of looking ahead (None: look ahead)."""
     if not _taken_here(source):
         return None
     try:
         n = len(source)  # type: ignore[arg-type]
-    except TypeError:
-        return -1
-    return n if isinstance(n, int) and n >= 0 else -1
+    except Exception:  # no length (TypeError), or a __len__ that raises: look ahead
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
 
 
 def marked(
@@ -68,12 +93,28 @@ def marked(
     is held back. When the batches end before a last one was marked (a length that was
     not kept), the caller closes the window left open."""
     n = counted_length(source)
+    it = iter(items)
     if n is None:
-        yield from _ahead(holder, iter(items), move)
+        yield from _ahead(holder, it, move)
         return
     holder.lookahead = 0
-    for i, item in enumerate(items, start=1):  # taken when the loop asks, as a plain loop does
-        yield (item if move is None else move(item)), i == n
+    # Past the end of an iterable data set its code runs (the samples a dropped last batch
+    # would hold): its length is taken as it is (torch warns when it is not kept).
+    trusted = isinstance(source, DataLoader) and isinstance(source.dataset, IterableDataset)
+    for i, item in enumerate(it, start=1):  # taken when the loop asks, as a plain loop does
+        if i < n or (trusted and i == n):
+            yield (item if move is None else move(item)), i == n
+            continue
+        try:  # the counted last: past the end nothing is drawn
+            following = next(it)
+        except StopIteration:
+            yield (item if move is None else move(item)), True
+            return
+        # The length was not kept: more batches come, looked ahead from here.
+        holder.lookahead = 1
+        yield (item if move is None else move(item)), False
+        yield from _ahead(holder, itertools.chain([following], it), move)
+        return
 
 
 def _ahead(

@@ -12,9 +12,9 @@ batches would have made: the ragged split 128 -> 48, 48, 32 included.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -23,124 +23,21 @@ from torch import nn
 from .. import _ranks
 from .._checks import is_int_at_least
 from .._parallel._grad_sync import no_sync, sync_kind
-from . import _last_batch
+from . import _batch_layout, _last_batch
 
 T = TypeVar("T")
 
 
-_LEAF = (str, bytes, int, float, complex, bool, type(None))
-"""Values a batch holds per sample in a list (names, ids, labels), or once (a scalar)."""
-
-
-def _is_named(node: object) -> bool:
-    return isinstance(node, tuple) and hasattr(node, "_fields")
-
-
-def _is_per_sample(seq: list[Any] | tuple[Any, ...]) -> bool:
-    """Whether a list/tuple is one entry per sample whatever the batch size: of plain values
-    (names, ids), of 0-d tensors, of mappings (a detection target per image), or of tensors
-    of different lengths (variable-length sequences). default_collate makes none of these:
-    it stacks samples into tensors and turns a sample's fields into a list of fields."""
-    first = seq[0]
-    if isinstance(first, _LEAF) or (isinstance(first, torch.Tensor) and first.dim() == 0):
-        return all(isinstance(e, _LEAF) or (isinstance(e, torch.Tensor) and e.dim() == 0)
-                   for e in seq)  # fmt: skip
-    if isinstance(first, Mapping):
-        return all(isinstance(e, Mapping) for e in seq)
-    if isinstance(first, torch.Tensor) and all(
-        isinstance(e, torch.Tensor) and e.dim() >= 1 for e in seq
-    ):
-        return len({int(e.shape[0]) for e in seq}) > 1
-    return False
-
-
-def _votes(node: object, strong: list[int], weak: list[int], ambiguous: bool) -> None:
-    """The batch sizes ``node`` suggests: ``strong`` from what only one reading explains, ``weak``
-    from lists that could be fields or samples (read as fields, as default_collate makes)."""
-    out = weak if ambiguous else strong
-    if isinstance(node, torch.Tensor):
-        if node.dim():
-            out.append(int(node.shape[0]))
-    elif isinstance(node, Mapping):
-        for v in node.values():
-            _votes(v, strong, weak, ambiguous)
-    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-        for f in dataclasses.fields(node):
-            _votes(getattr(node, f.name), strong, weak, ambiguous)
-    elif _is_named(node):
-        for v in node:  # type: ignore[attr-defined]
-            _votes(v, strong, weak, ambiguous)
-    elif isinstance(node, (list, tuple)) and node:
-        if _is_per_sample(node):
-            out.append(len(node))
-            return
-        # Fields of one kind (same-length tensors, lists of lists) could also be samples
-        # that happen to agree: their votes count only if nothing else says.
-        same_kind = all(type(e) is type(node[0]) for e in node)
-        for v in node:
-            _votes(v, strong, weak, ambiguous or same_kind)
-
-
 def leading_size(batch: object) -> int:
-    """The batch's sample count (0 if nothing in it says): the size most of its parts agree
-    on, read the way default_collate and per-sample lists (names, sequences) lay it out."""
-    return _sample_count(batch) or 0
-
-
-def _sample_count(batch: object) -> int | None:
-    strong: list[int] = []
-    weak: list[int] = []
-    _votes(batch, strong, weak, False)
-    votes = strong or weak
-    if not votes:
-        return None
-    return max(dict.fromkeys(votes), key=votes.count)  # most common; ties: the first seen
-
-
-def _splits(node: object, size: int) -> bool:
-    """Whether something in ``node`` is cut into rows for a batch of ``size`` samples."""
-    if isinstance(node, torch.Tensor):
-        return node.dim() > 0 and int(node.shape[0]) == size
-    if isinstance(node, Mapping):
-        return any(_splits(v, size) for v in node.values())
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return any(_splits(getattr(node, f.name), size) for f in dataclasses.fields(node))
-    if isinstance(node, (list, tuple)) and node:
-        if _is_named(node):
-            return any(_splits(v, size) for v in node)
-        return len(node) == size or any(_splits(v, size) for v in node)
-    return False
-
-
-def _as_samples(seq: list[Any] | tuple[Any, ...], size: int) -> bool:
-    """Whether a list/tuple is cut as one entry per sample (else as fields, or kept whole)."""
-    if len(seq) != size:
-        return False
-    if _is_per_sample(seq):
-        return True
-    # Read as fields, nothing in it would be cut: it is the samples. If both readings fit
-    # (two same-length fields of a batch of two), default_collate's fields win.
-    return not any(_splits(v, size) for v in seq)
-
-
-def take(batch: T, start: int, stop: int, size: int) -> T:
-    """Samples ``start:stop`` of a batch of ``size``: rows of every tensor whose leading size is
-    ``size``, entries of per-sample lists; scalars and other tensors whole in every chunk."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() and batch.shape[0] == size else batch  # type: ignore[return-value]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: take(v, start, stop, size) for k, v in batch.items()})  # type: ignore[call-arg]
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        cut = {f.name: take(getattr(batch, f.name), start, stop, size)
-               for f in dataclasses.fields(batch) if f.init}  # fmt: skip
-        return dataclasses.replace(batch, **cut)
-    if isinstance(batch, tuple) and _is_named(batch):
-        return type(batch)(*(take(v, start, stop, size) for v in batch))
-    if isinstance(batch, (list, tuple)) and batch:
-        if _as_samples(batch, size):
-            return batch[start:stop]  # type: ignore[return-value]
-        return type(batch)(take(v, start, stop, size) for v in batch)
-    return batch
+    """The batch's sample count (0 if nothing in it has a size), as ``_batch_layout`` reads
+    it; a tie between sizes is read as the first (counting only: cutting refuses it)."""
+    try:
+        layout = _batch_layout.read(batch)
+    except ValueError:
+        sizes: set[int] = set()
+        _batch_layout._sizes(batch, sizes)
+        return min(sizes)
+    return 0 if layout is None else layout.size
 
 
 class Chunks:
@@ -149,8 +46,8 @@ class Chunks:
     log record of the batch being handed out, and the model's batch-statistics layers."""
 
     __slots__ = (
-        "batch_last", "by_member", "norms", "others", "quiet", "record", "redo", "replaying",
-        "share", "size", "splitting",
+        "batch_last", "by_member", "layout", "norms", "others", "quiet", "record", "redo",
+        "replaying", "share", "size", "splitting",
     )  # fmt: skip
 
     def __init__(self, size: int | None) -> None:
@@ -165,13 +62,21 @@ class Chunks:
         self.norms: list[tuple[str, nn.Module]] = []  # BatchNorm layers (``watch``)
         self.batch_last = True  # the chunk handed out now is its batch's last
         self.quiet = False  # its batch's record was logged before a redo: not again
-        self.record: dict[str, Any] = {}  # the batch's log record, summed over its chunks
+        self.record: list[tuple[Any, dict[str, Any]]] = []  # the batch's chunks' (weight, record)
+        self.layout: _batch_layout.Layout | None = None  # the last batch's, read alike next
 
-    def watch(self, model: nn.Module) -> None:
-        """Remember ``model``'s layers that normalize by the batch's statistics."""
-        if self.size is not None:
-            self.norms = [(n, m) for n, m in model.named_modules()
-                          if isinstance(m, nn.modules.batchnorm._BatchNorm)]  # fmt: skip
+    def watch(self, model: nn.Module, frozen: Sequence[nn.Module] = ()) -> None:
+        """Remember the layers that normalize by the batch's statistics: ``model``'s, and those
+        of the modules its micro-steps run through (``frozen=``, a GAN's critic)."""
+        if self.size is None:
+            return
+        found = {id(m): (n, m) for n, m in model.named_modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm)}  # fmt: skip
+        for k, module in enumerate(frozen):
+            for n, m in module.named_modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    found.setdefault(id(m), (f"frozen[{k}]{'.' + n if n else ''}", m))
+        self.norms = list(found.values())
 
     def refuse_batch_statistics(self) -> None:
         """Refuse to cut a batch that BatchNorm layers normalize by its statistics: each chunk
@@ -188,25 +93,28 @@ class Chunks:
                 "layers in eval mode (frozen statistics)"
             )
 
-    def batch_record(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    def batch_record(
+        self, metrics: dict[str, Any], how: Callable[[str], str], weight: Any = None
+    ) -> dict[str, Any] | None:
         """The record to log for a micro-step: its own, or, when it is a chunk of a batch, the
-        batch's once its last chunk is done (each metric weighted by the chunk's share of the
-        batch: a per-sample mean comes out as the whole batch's). None: nothing to log now."""
-        share = self.share
-        if share is None:
+        batch's once its last chunk is done (``combined``: as the whole batch would have
+        logged it, by each metric's reduction ``how(name)``; ``weight``: the chunk's
+        ``weight=``, else its share). None: nothing to log now."""
+        if self.share is None:
             return metrics or None
-        record = self.record
-        for name, value in metrics.items():
-            # A device tensor stays on the device (no host sync); fp32 for the weighted sum.
-            part = (value.float() if isinstance(value, torch.Tensor) else value) * share
-            record[name] = part if name not in record else record[name] + part
+        self.record.append((self.share if weight is None else weight, metrics))
         if not self.batch_last:
             return None
-        self.record = {}
-        return None if self.quiet or not record else record
+        parts, self.record = self.record, []
+        return None if self.quiet or not parts else combined(parts, how) or None
 
     def check_entry(self) -> None:
-        """Refuse a micro-step on a whole batch where the group wants ``step.split``."""
+        """Refuse a micro-step on a whole batch where the group wants ``step.split``, and a
+        chunk of a cut batch that BatchNorm in training mode would normalize alone (checked
+        as each chunk's micro-step opens: the mode the forward will run in)."""
+        share = self.share
+        if share is not None and share < 1.0 and self.norms:
+            self.refuse_batch_statistics()
         if self.by_member and not self.splitting:
             raise RuntimeError(
                 "micro_batch= in a loopkit.steps group with a frozen= member (a GAN): the "
@@ -222,6 +130,46 @@ class Chunks:
             self.size = saved
 
 
+def combined(parts: list[tuple[Any, dict[str, Any]]], how: Callable[[str], str]) -> dict[str, Any]:
+    """A batch's record from its chunks' ``(weight, record)``: per metric, by its reduction,
+    what the whole batch would have logged. A mean is weighted by the chunks' weights (their
+    shares of the samples, or the ``weight=`` given: tokens); ``sum`` adds, ``max``/``min``
+    and ``last`` pick. Device tensors stay on the device (no host sync)."""
+    out: dict[str, Any] = {}
+    names = list(dict.fromkeys(name for _, record in parts for name in record))
+    for name in names:
+        pairs = [(w, record[name]) for w, record in parts if name in record]
+        values = [v for _, v in pairs]
+        reduction = how(name)
+        if reduction == "last":
+            out[name] = values[-1]
+        elif all(not isinstance(v, torch.Tensor) for v in values):
+            out[name] = _combined_numbers(pairs, reduction)
+        else:
+            t = torch.stack([torch.as_tensor(v).float().reshape(()) for v in values])
+            if reduction == "sum":
+                out[name] = t.sum()
+            elif reduction in ("max", "min"):
+                out[name] = t.max() if reduction == "max" else t.min()
+            else:
+                weights = torch.stack([torch.as_tensor(w, device=t.device).float().reshape(())
+                                       for w, _ in pairs])  # fmt: skip
+                out[name] = (t * weights).sum() / weights.sum()
+    return out
+
+
+def _combined_numbers(pairs: list[tuple[Any, Any]], reduction: str) -> float:
+    values = [float(v) for _, v in pairs]
+    if reduction == "sum":
+        return math.fsum(values)
+    if reduction in ("max", "min"):
+        return max(values) if reduction == "max" else min(values)
+    if len(set(values)) == 1:
+        return values[0]  # a constant (the lr): exactly itself
+    weights = [float(w) for w, _ in pairs]
+    return math.fsum(w * v for w, v in zip(weights, values, strict=True)) / math.fsum(weights)
+
+
 def check_micro_batch(micro_batch: object) -> None:
     """Refuse a ``micro_batch=`` that is not a positive int (or None)."""
     if micro_batch is not None and not is_int_at_least(micro_batch, 1):
@@ -231,22 +179,35 @@ def check_micro_batch(micro_batch: object) -> None:
         )
 
 
-def chunks(batch: T, micro_batch: int) -> list[tuple[T, float]]:
-    """``(chunk, its share of the batch)`` for each chunk of at most ``micro_batch`` samples."""
-    size = _sample_count(batch)
-    if size is None:
+def chunks(
+    batch: T, micro_batch: int, state: Chunks | None = None, hint: object = None
+) -> list[tuple[T, float]]:
+    """``(chunk, its share of the batch)`` for each chunk of at most ``micro_batch`` samples.
+
+    ``state``: the step's micro-batching, whose last layout breaks a tie between sizes;
+    ``hint``: the loader's ``batch_size``, which does too."""
+    layout = _batch_layout.read(
+        batch,
+        hint=hint if isinstance(hint, int) else None,
+        before=None if state is None else state.layout,
+    )
+    if layout is None:
         raise ValueError(
             f"micro_batch= cannot tell how many samples a batch of {type(batch).__name__} "
             "holds, so it cannot cut it: hand out tensors with the samples along their first "
             "dimension (in a tuple, list, dict, namedtuple or dataclass; per-sample lists of "
             "names or of variable-length tensors are cut with them)"
         )
+    if state is not None:
+        state.layout = layout
+    size = layout.size
     if size <= micro_batch:
         return [(batch, 1.0)]
     return [
-        (take(batch, a, min(a + micro_batch, size), size), (min(a + micro_batch, size) - a) / size)
+        (_batch_layout.take(batch, a, min(a + micro_batch, size), layout),
+         (min(a + micro_batch, size) - a) / size)
         for a in range(0, size, micro_batch)
-    ]
+    ]  # fmt: skip
 
 
 def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
@@ -274,9 +235,7 @@ def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
             while todo:
                 current = todo.pop(0)
                 index = len(window) - len(todo) - 1  # its place in the window
-                parts = chunks(current, state.size)
-                if len(parts) > 1:
-                    state.refuse_batch_statistics()  # before any of its chunks runs
+                parts = chunks(current, state.size, state, getattr(source, "batch_size", None))
                 state.quiet = index < delivered
                 for j, (chunk, share) in enumerate(parts, start=1):
                     if ends and current is window[-1] and j == len(parts):
@@ -299,7 +258,7 @@ def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
         acc._by_marks = state.replaying = False
         acc._final_pending = False
         acc.lookahead = 0
-        state.share, state.batch_last, state.quiet, state.record = None, True, False, {}
+        state.share, state.batch_last, state.quiet, state.record = None, True, False, []
 
 
 def split(step: Any, batch: T) -> Iterator[T]:
@@ -324,9 +283,7 @@ def split(step: Any, batch: T) -> Iterator[T]:
     if acc._inside:
         raise RuntimeError("step.split(batch) inside `with step:`: loop over it around `with`")
     ends = acc._final_pending
-    parts = [(batch, 1.0)] if state.size is None else chunks(batch, state.size)
-    if len(parts) > 1:
-        state.refuse_batch_statistics()
+    parts = [(batch, 1.0)] if state.size is None else chunks(batch, state.size, state)
     ddp = sync_kind(step.model) == "ddp"
     state.splitting = True
     try:
@@ -347,7 +304,7 @@ def split(step: Any, batch: T) -> Iterator[T]:
                     step.doctor.step_samples(leading_size(part))
                 yield part
     finally:
-        state.splitting, state.share, state.batch_last, state.record = False, None, True, {}
+        state.splitting, state.share, state.batch_last, state.record = False, None, True, []
         acc._final_pending = False  # a loop left early: the group closes the window
 
 
@@ -380,7 +337,7 @@ def recovered(step: Any, exc: BaseException | None) -> bool:
     acc._window = type(acc._window)()
     acc._guard.window_closed()
     acc._final_pending = False
-    state.record = {}  # the failed batch's chunks so far: its redo logs it whole
+    state.record = []  # the failed batch's chunks so far: its redo logs it whole
     memory.clear_device_cache(garbage_collection=True)
     state.size, state.redo = max(1, state.size // 2), True
     return True

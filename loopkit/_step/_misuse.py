@@ -179,8 +179,8 @@ class Guard:
     """One step's watch over the code around it; the per-window part resets together."""
 
     __slots__ = (
-        "__weakref__", "_left", "_marks", "_owner", "_pass", "_sched_at", "grads", "optimizer",
-        "scheduler",
+        "__weakref__", "_left", "_marks", "_owner", "_pass", "_sched_at", "_sched_lrs", "grads",
+        "optimizer", "scheduler",
     )  # fmt: skip
 
     def __init__(
@@ -202,6 +202,7 @@ class Guard:
         # Read as the step's first window opens, where the scheduler becomes the step's to
         # step: a restore before that (the user's load_state_dict) is no foreign step.
         self._sched_at: Any = None
+        self._sched_lrs: object = None  # the scheduler's base_lrs list as last read
         self._left = _LeftOpen(every)
         _GUARDS.add(self)
         weakref.finalize(owner, self._left.report)
@@ -230,8 +231,10 @@ class Guard:
             # entered leaves it to the loop).
             if not owns(self.optimizer, self._owner):
                 claim(self.optimizer, self._owner)
+                self._sched_at = None  # another step had it: what it did is no foreign step
             if self._sched_at is None and self.scheduler is not None:
                 self._sched_at = getattr(self.scheduler, "last_epoch", None)
+                self._sched_lrs = getattr(self.scheduler, "base_lrs", None)
             self._pass = latest
             # Where the window opened, for a report at exit: the callers' code and lines,
             # sorted out only if it is reported (no walk up the stack per window).
@@ -291,7 +294,12 @@ class Guard:
         sched = self.scheduler
         if at_end and sched is not None and self._sched_at is not None:
             now_at = getattr(sched, "last_epoch", None)
-            if now_at != self._sched_at:
+            restored = getattr(sched, "base_lrs", None) is not self._sched_lrs
+            if restored or (isinstance(now_at, int) and now_at < self._sched_at):
+                # A load_state_dict replaces the base lrs' list (no step() does), and a move
+                # back is no step either: a restore by hand, not a foreign step.
+                self._sched_at, self._sched_lrs = now_at, getattr(sched, "base_lrs", None)
+            elif now_at != self._sched_at:
                 lines = lines_calling(user_frame(), sched, "step")
                 raise RuntimeError(
                     f"the scheduler given to loopkit.step was also stepped by your code "
@@ -321,6 +329,7 @@ class Guard:
         self._left.micro = 0
         if self.scheduler is not None:
             self._sched_at = getattr(self.scheduler, "last_epoch", None)
+            self._sched_lrs = getattr(self.scheduler, "base_lrs", None)
 
     def forget_schedule(self) -> None:
         """A resume moves the scheduler: read its position afresh as the next window opens."""

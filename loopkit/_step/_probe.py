@@ -28,7 +28,7 @@ from .._checks import is_int_at_least
 from .._devices import model_device
 from .._parallel._grad_sync import no_sync
 from . import _misuse
-from ._micro_batch import leading_size, take
+from ._batch_layout import read, take
 
 Search = Literal["halving", "two_peaks"]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -57,8 +57,9 @@ def probe_micro_batch(
     # accelerate's cross-backend out-of-memory test and cache release (CUDA, XPU, NPU, MPS).
     memory: Any = importlib.import_module("accelerate.utils.memory")
 
-    size = leading_size(batch)
-    if size < 1:
+    layout = read(batch)
+    size = 0 if layout is None else layout.size
+    if layout is None or size < 1:
         raise ValueError("probe_micro_batch needs a batch with a leading batch dimension")
     if not is_int_at_least(smallest, 1) or smallest > size:
         raise ValueError(f"smallest must be an int in 1..{size}, got {smallest!r}")
@@ -75,7 +76,7 @@ def probe_micro_batch(
     def fits(m: int) -> bool:
         """Whether a trial of ``m`` samples runs (taken back either way)."""
         try:
-            _trial(model, optimizer, loss_fn, take(batch, 0, m, size))
+            _trial(model, optimizer, loss_fn, take(batch, 0, m, layout))
         except Exception as err:
             if not memory.should_reduce_batch_size(err):
                 raise

@@ -16,6 +16,7 @@ class Window:
 
     __slots__ = (
         "cleared_foreign",
+        "failed",
         "last_synced",
         "loss_finite",
         "micro",
@@ -34,6 +35,7 @@ class Window:
         self.loss_finite: torch.Tensor | None = None  # device flag, when losses are watched
         self.last_synced = True  # whether the last backward ran with gradient sync
         self.cleared_foreign = False  # gradients from elsewhere were cleared when it opened
+        self.failed = 0  # micro-steps that ended in an exception (a skipped bad batch)
 
     def add_backward(
         self, weight: Any, weighted: bool, finite: torch.Tensor | None, synced: bool
@@ -56,6 +58,13 @@ class Window:
             prior = self.loss_finite
             self.loss_finite = finite if prior is None else prior & finite
         self.last_synced = synced
+
+    def foreign(self, has_grads: bool) -> bool:
+        """Whether a window with no backward of its own had its parameters trained by another
+        backward: gradients there now, or cleared as it opened (unless every micro-step of it
+        failed: then nothing of it ran, and those gradients were the code before's)."""
+        cleared = self.cleared_foreign and self.failed < self.micro
+        return self.n_backward == 0 and (cleared or has_grads)
 
     def bad_device_weight(self) -> Any:
         """A 0-d bool tensor: whether a device weight was not positive and finite; False if none."""

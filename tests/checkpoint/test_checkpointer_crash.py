@@ -1,7 +1,8 @@
-"""Resume after SIGKILL: ten kills, each resumed, end at the uninterrupted run's weights.
+"""Resume after SIGKILL: kills, each resumed, end at the uninterrupted run's weights.
 
 examples/train_resumable.py is killed at random moments (after a save, so mid-window or at
-a boundary) and, three times, in the middle of writing a checkpoint; each time it is
+a boundary) and, every third kill, in the middle of writing a checkpoint (6 kills in CI,
+10 with LOOPKIT_DEEP=1); each time it is
 started again and resumes. The final weights are compared bit for bit with an
 uninterrupted run. With --augment the data set draws from python's, numpy's and torch's
 RNGs in __getitem__ and the loss is weighted by a random number of valid tokens; the
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, launch_env
+from helpers import DEEP, ROOT, launch_env
 
 import loopkit
 
@@ -97,16 +98,20 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+# CI kills each run 6 times (2 of them mid-save); LOOPKIT_DEEP=1 kills it 10 times (3).
+KILLS = 10 if DEEP else 6
+
+
 def _kill_ten_times(
     tmp_path: Path, command: Callable[[int], list[str]], seed: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The uninterrupted run's weights, and those of a run killed 10 times and resumed."""
+    """The uninterrupted run's weights, and those of a run killed KILLS times and resumed."""
     ref = tmp_path / "ref.pt"
     _run([*command(-1), "--dir", str(tmp_path / "ref_run"), "--out", str(ref)])
     run_dir = tmp_path / "run"
     rng = random.Random(seed)
     mid_save, resumed = 0, 0
-    for kill in range(10):
+    for kill in range(KILLS):
         known = _names(run_dir)
         # A killed save leaves its temporary until the next run cleans it up: only a new
         # one is this run's save in progress.
@@ -138,9 +143,9 @@ def _kill_ten_times(
         resumed += any("resumed from" in x for x in lines)
         _all_checkpoints_readable(run_dir)  # never a corrupt checkpoint on disk
     final = tmp_path / "final.pt"
-    _run([*command(10), "--dir", str(run_dir), "--out", str(final)])
-    assert mid_save == 3, "a kill meant for the middle of a save missed it"
-    assert resumed == 9  # every run after the first continued from a checkpoint
+    _run([*command(KILLS), "--dir", str(run_dir), "--out", str(final)])
+    assert mid_save == len(range(1, KILLS, 3)), "a kill meant for the middle of a save missed it"
+    assert resumed == KILLS - 1  # every run after the first continued from a checkpoint
     assert not list(run_dir.glob(".ckpt-*.tmp*"))  # leftovers of the killed saves are gone
     assert len(list(run_dir.glob("ckpt-*.pt"))) == 2  # keep=2
     return torch.load(ref, weights_only=True), torch.load(final, weights_only=True)
@@ -152,7 +157,8 @@ def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_path: Path) -> None:
-    """Killed 10 times (3 of them mid-save) and resumed each time: the uninterrupted weights.
+    """Killed 6 times (10 deep; every third mid-save) and resumed each time: the uninterrupted
+    weights.
 
     bf16 runs with an EMA of the weights (validated through swapped()): the average too."""
     ema = ["--ema", "0.99"] if precision == "bf16" else []

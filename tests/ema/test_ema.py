@@ -425,9 +425,10 @@ def test_an_average_follows_the_run_into_a_rebuilt_step() -> None:
         torch.testing.assert_close(got.double(), w, rtol=0, atol=1e-6)
 
 
-def test_a_hand_written_phase_may_update_an_average_a_step_was_given() -> None:
-    """After a step's phase, a hand phase on another optimizer calls ema.update() after its
-    own optimizer.step(): allowed (those are new weights); a second call is refused."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_hand_written_phase_may_update_an_average_a_step_was_given(fused: bool) -> None:
+    """After a step's phase, a hand phase on another optimizer (fused or not) calls
+    ema.update() after its own optimizer.step(): allowed (new weights); a second is refused."""
     model = mlp()
     average = loopkit.ema(model, decay=0.5)
     step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=average)
@@ -436,7 +437,7 @@ def test_a_hand_written_phase_may_update_an_average_a_step_was_given() -> None:
             s.backward(loss_fn(model, batch))
     with pytest.raises(RuntimeError, match=r"remove the ema\.update"):
         average.update()  # the step counted these weights already
-    hand = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hand = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
     loss_fn(model, batches([4])[0]).backward()
     hand.step()
     assert average.update() and average.updates == 3
@@ -444,18 +445,23 @@ def test_a_hand_written_phase_may_update_an_average_a_step_was_given() -> None:
         average.update()  # the same weights twice
 
 
-def test_an_average_never_updated_warns_where_it_is_used() -> None:
-    """An ema neither given to the step nor updated by hand, while its model trained: its
-    swapped()/state_dict() warns once; one that is updated, or whose model did not train, not."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_average_never_updated_warns_where_it_is_used(fused: bool) -> None:
+    """An ema neither given to the step nor updated by hand, while its model trained (by a
+    fused optimizer too): its swapped()/state_dict() warns once; one that is updated, or whose
+    model did not train (evaluated through swapped() before training), not."""
     model = mlp()
     forgotten = loopkit.ema(model, decay=0.9)
     given = loopkit.ema(model, decay=0.9)
-    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=given)
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused),
+                        ema=given)  # fmt: skip
     untouched = loopkit.ema(mlp(seed=3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with untouched.swapped():
-            pass
+        for _ in range(2):  # swapped twice before training: still the initial weights
+            with untouched.swapped(), forgotten.swapped():
+                pass
+        untouched.state_dict()
     for batch in step.iterate(batches([4, 4])):
         with step as s:
             s.backward(loss_fn(model, batch))
@@ -467,3 +473,31 @@ def test_an_average_never_updated_warns_where_it_is_used() -> None:
         with given.swapped():
             pass
         given.state_dict()
+
+
+def test_an_average_of_a_compiled_block_keeps_the_blocks_own_names(tmp_path: Path) -> None:
+    """A model with a torch.compile'd block: the average is saved under the block's own names
+    (no _orig_mod.) and resumes into the same model without compile, bit for bit."""
+
+    def build(compiled: bool) -> tuple[nn.Module, loopkit.ema, loopkit.step]:
+        torch.manual_seed(0)
+        block = nn.Linear(8, 8)
+        model = nn.Sequential(
+            torch.compile(block, backend="aot_eager") if compiled else block, nn.Linear(8, 1)
+        )
+        average = loopkit.ema(model, decay=0.9)
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=average)
+        return model, average, step
+
+    model, average, step = build(compiled=True)
+    assert sorted(average.named_shadow()) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    for batch in step.iterate(batches([4, 4])):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    loopkit.Checkpointer(tmp_path, model=model, step=step).save()
+    plain, restored, plain_step = build(compiled=False)
+    loopkit.Checkpointer(tmp_path, model=plain, step=plain_step).resume()
+    assert restored.updates == 2
+    assert all(torch.equal(a, b) for a, b in zip(average.shadow, restored.shadow, strict=True))
+    with restored.swapped(plain):
+        pass

@@ -85,6 +85,17 @@ LAYOUTS: dict[str, tuple[Callable[[list[Sample]], Any], Callable[[Any], tuple[An
         lambda s: (_Batch(_stack(s, "x"), _names(s), 0.5), _stack(s, "y")),
         lambda b: (b[0].x, b[1], None, [int(n[1:]) for n in b[0].names], b[0].temperature),
     ),
+    "token id lists": (  # a custom collate keeping each sample's ids as a Python list
+        lambda s: {"x": _stack(s, "x"), "y": _stack(s, "y"),
+                   "tokens": [[round(float(v) * 100) for v in it["seq"]] for it in s]},
+        lambda b: (b["x"], b["y"], [torch.tensor(t, dtype=torch.float32) / 100
+                                    for t in b["tokens"]], None, 1.0),
+    ),
+    "collated list of dicts": (  # default_collate of samples holding a list of two dicts
+        lambda s: {"x": _stack(s, "x"),
+                   "objs": [{"y": _stack(s, "y")}, {"id": torch.tensor(_ids(s))}]},
+        lambda b: (b["x"], b["objs"][0]["y"], None, b["objs"][1]["id"].tolist(), 1.0),
+    ),
 }  # fmt: skip
 
 NORMS = ["none", "groupnorm", "layernorm", "batchnorm_eval", "batchnorm_train"]

@@ -7,7 +7,7 @@ shuffled split into several groups with their own learning rates); SGD with mome
 AdamW; clipping or none; a scheduler or none; ``accumulate=k``; and where the batches come
 from and where they draw random numbers: a ``Dataset`` drawing from torch, numpy and python
 in ``__getitem__`` behind a ``DataLoader`` without workers (shuffled or not), a
-``collate_fn`` that draws, an ``IterableDataset`` without a length behind a ``DataLoader``,
+``collate_fn`` that draws, an ``IterableDataset`` with a length behind a ``DataLoader``,
 a ``Sized`` iterable of the user's that draws as it hands out batches, a plain list of
 ``(x, y)`` tuples or of stacked tensors, and a ``distributed.loader``.
 
@@ -133,10 +133,14 @@ class Noisy(Dataset[Batch]):
 
 
 class Stream(IterableDataset[Batch]):
-    """The same samples as a stream without a length, augmented as they are made."""
+    """The same samples as a stream, augmented as they are made, with a length (one without
+    is looked ahead: the hand loop's random stream needs a length to count to)."""
 
     def __init__(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
         self.xs, self.ys = xs, ys
+
+    def __len__(self) -> int:
+        return len(self.xs)
 
     def __iter__(self) -> Iterator[Batch]:
         for x, y in zip(self.xs, self.ys, strict=True):

@@ -24,7 +24,9 @@ written inline from torch's own modules compiles nothing, and its reference is t
 plain eager loop.
 
 Compiling is slow on a CPU: CI draws two examples of each besides the explicit ones (tiny
-models, derandomized); ``LOOPKIT_DEEP=1`` draws fifty random ones.
+models, derandomized) and compiles with the ``aot_eager`` backend (dynamo's graphs, breaks
+and recompiles, AOT autograd, no code generation); ``LOOPKIT_DEEP=1`` draws fifty random
+ones and compiles with inductor.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ D = 4
 BATCH = 4  # full batches; the tail is smaller (shapes vary only there: few compiles)
 EMA_DECAY = 0.9
 EXAMPLES = 5 if DEEP else 2
+# CI compiles with dynamo and AOT autograd but no code generation (aot_eager: the graphs,
+# breaks and recompiles are dynamo's, the same with any backend), a deep run with inductor.
+BACKEND = "inductor" if DEEP else "aot_eager"
 """Drawn examples per test: 2 in CI (compiling is slow on a CPU: the file stays well under a
 minute), 5 times LOOPKIT_DEEP's factor in a deep run (50 with LOOPKIT_DEEP=1: the compiled
 graphs repeat, and the compile caches make most examples cheap)."""
@@ -95,7 +100,7 @@ def loss_of(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: t
 
 def compiled_copy(model: nn.Module) -> nn.Module:
     """``torch.compile(model)``: an OptimizedModule, which is an nn.Module."""
-    return cast(nn.Module, torch.compile(model))
+    return cast(nn.Module, torch.compile(model, backend=BACKEND))
 
 
 def fresh_compiler() -> None:
@@ -239,7 +244,7 @@ def run_micro(spec: Spec, compile_micro: bool) -> Run:
         clip_grad_norm=spec["clip"], scheduler=sched, log=log, ema=ema,
     )  # fmt: skip
     inline = spec["inner"] == "inline"
-    loss_fn = loss_of if compile_micro or inline else torch.compile(loss_of)
+    loss_fn = loss_of if compile_micro or inline else torch.compile(loss_of, backend=BACKEND)
 
     def micro(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with step as s:
@@ -247,7 +252,7 @@ def run_micro(spec: Spec, compile_micro: bool) -> Run:
             s.backward(loss)
         return loss.detach()
 
-    fn = torch.compile(micro) if compile_micro else micro
+    fn = torch.compile(micro, backend=BACKEND) if compile_micro else micro
     trace: dict[str, list[torch.Tensor]] = {"losses": [], "norms": []}
     fresh_compiler()
     torch.manual_seed(spec["seed"] + 2)

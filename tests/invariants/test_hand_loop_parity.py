@@ -6,8 +6,7 @@ the same seeds over the same objects: ``for i, (x, y) in enumerate(source):
 model.parameters(), c)``, ``optimizer.step()``, ``scheduler.step()``,
 ``optimizer.zero_grad()``; a ragged window's summed gradients are first scaled by
 ``k / len(window)`` (its mean gradient, normalized as loopkit normalizes it: one multiply
-at the window's end), and a stream without a length closes its ragged window after the
-loop. The loop with loopkit is ``for x, y in step.iterate(source): with step as s:
+at the window's end). The loop with loopkit is ``for x, y in step.iterate(source): with step as s:
 s.backward(loss)`` with ``loopkit.step(model, opt, accumulate=k, clip_grad_norm=c,
 scheduler=sched)`` in fp32.
 
@@ -16,7 +15,8 @@ a shuffled split into groups with their own learning rates), SGD with momentum o
 clipping or none, schedulers, accumulate 1..3, batch sizes with ragged tails (and
 drop_last), dropout, one or two passes, and where the data draws random numbers: a
 Dataset's ``__getitem__`` (torch, numpy and python) behind a DataLoader without workers,
-shuffled or not; a ``collate_fn``; an IterableDataset without a length; a Sized iterable
+shuffled or not; a ``collate_fn``; an IterableDataset with a length (one without is looked
+ahead, which loop control needs to see its last window inside the body); a Sized iterable
 of the user's; plain lists of tuples or stacked tensors; a ``distributed.loader`` (whose
 reference is the same loop by hand over the same loader).
 

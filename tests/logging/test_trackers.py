@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import loopkit
 from loopkit import _ranks
@@ -387,3 +389,43 @@ def test_two_starts_of_a_wandb_run_within_one_second_keep_both(
             break
     assert int(relaunched) == int(first_start), "no try started twice within one second"
     assert sorted(read(second)) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("stop_at", [3, 5])
+def test_a_csv_closed_after_a_stop_resumes_into_the_uninterrupted_rows(
+    tmp_path: Path, stop_at: int
+) -> None:
+    """A stop between two flushes, then log.close() at the script's end (a partial row from
+    values the checkpoint still holds unflushed): the resumed run rewrites the rows past the
+    checkpoint, so the CSV equals the uninterrupted run's, row for row."""
+    from loopkit import distributed
+
+    def run(directory: Path, max_updates: int) -> None:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g),
+                                              torch.randn(96, 1, generator=g))  # fmt: skip
+        model = nn.Linear(8, 1)
+        loader = distributed.loader(data, batch_size=8, seed=0, num_workers=0)
+        log = loopkit.detach_logging(every=4, sink=[loopkit.CSVSink(directory / "m.csv")])
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.05), accumulate=2,
+                            log=log)  # fmt: skip
+        ckpt = loopkit.Checkpointer(directory / "ck", model=model, step=step, loader=loader)
+        with loopkit.until(step, max_updates=max_updates, signals=(), checkpointer=ckpt) as stop:
+            ckpt.resume()
+            for _ in range(loader.epoch, 2):
+                for x, y in step.iterate(loader):
+                    with step as s:
+                        s.backward(nn.functional.mse_loss(model(x), y))
+                    if stop.check():
+                        break
+                if stop.reason:
+                    break
+        log.close()
+
+    run(tmp_path / "a", 12)
+    run(tmp_path / "b", stop_at)
+    run(tmp_path / "b", 12)
+    whole = (tmp_path / "a" / "m.csv").read_text()
+    assert (tmp_path / "b" / "m.csv").read_text() == whole
+    assert len(whole.splitlines()) == 7  # a header and 6 rows

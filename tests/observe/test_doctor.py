@@ -501,3 +501,31 @@ def test_flops_alone_in_a_plain_loop_with_a_ragged_last_batch() -> None:
             told.count(samples=n)
             nn.functional.mse_loss(model(torch.randn(n, 6)), torch.randn(n, 1)).backward()
     assert told.stats()["flops_per_step"] == pytest.approx(truth / 3, rel=1e-12)
+
+
+def test_a_groups_flops_count_every_chunk_and_ragged_batch() -> None:
+    """A loopkit.steps member with a doctor, in chunks (micro_batch=) and a ragged last batch:
+    FLOPs per step times steps equal FlopCounterMode over every whole batch, within 5%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+    other = nn.Linear(64, 1)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(n, 64, generator=g), torch.randn(n, 1, generator=g))
+            for n in (32, 32, 32, 13)]  # fmt: skip
+    with FlopCounterMode(display=False) as fc:
+        for x, y in data:
+            nn.functional.mse_loss(model(x), y).backward()
+    truth = fc.get_total_flops()
+    doc = loopkit.doctor()
+    a = loopkit.step(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), micro_batch=24, doctor=doc
+    )
+    b = loopkit.step(other, torch.optim.SGD(other.parameters(), lr=0.01), micro_batch=24)
+    for x, y in loopkit.steps(a, b).iterate(data):
+        for m, s in ((model, a), (other, b)):
+            with s as st:
+                st.backward(nn.functional.mse_loss(m(x), y))
+    stats = doc.stats()
+    assert stats["flops_per_step"] * stats["steps"] == pytest.approx(truth, rel=0.05)

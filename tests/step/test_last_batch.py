@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,11 +33,35 @@ class _Noisy(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class _NoisyStream(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-    """An iterable data set of 10 random items, with no length."""
+    """An iterable data set of 10 random items; ``length`` is what its __len__ says (none:
+    it has no length)."""
+
+    def __init__(self, length: int | None = None) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("no length")
+        return self.length
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for _ in range(10):
             yield torch.rand(4), torch.rand(1)
+
+
+class _DrawingBatches(torch.utils.data.Sampler[list[int]]):
+    """A batch sampler that draws each batch's order from this process's torch stream."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return -(-self.n // self.size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for a in range(0, self.n, self.size):
+            order = torch.randperm(min(self.size, self.n - a)).tolist()
+            yield [a + k for k in order]
 
 
 def _noisy_collate(items: list[Any]) -> Any:
@@ -49,7 +75,12 @@ def _loaders() -> dict[str, Callable[[], Any]]:
         "collate draws": lambda: torch.utils.data.DataLoader(
             _Noisy(9), batch_size=2, shuffle=True, collate_fn=_noisy_collate
         ),
-        "iterable, no length": lambda: torch.utils.data.DataLoader(_NoisyStream(), batch_size=3),
+        "iterable with its length": lambda: torch.utils.data.DataLoader(
+            _NoisyStream(length=10), batch_size=3
+        ),
+        "a sampler of the user's, workers": lambda: torch.utils.data.DataLoader(
+            _Noisy(10), batch_sampler=_DrawingBatches(10, 3), num_workers=1
+        ),
     }
 
 
@@ -122,31 +153,76 @@ def test_a_length_not_kept_closes_the_window_when_the_batches_end() -> None:
 
 
 def test_lookahead_is_kept_where_taking_a_batch_draws_nothing_here() -> None:
-    """distributed.loader, workers and in-memory sequences are looked ahead; the rest counted
-    (generators too: they may draw as they yield)."""
+    """distributed.loader, workers with torch's samplers, in-memory sequences and iterables
+    without a length are looked ahead; the rest counted."""
     data = torch.utils.data.TensorDataset(torch.randn(8, 2))
     assert _last_batch.counted_length(distributed.loader(data, batch_size=2)) is None
     assert _last_batch.counted_length([1, 2, 3]) is None
     with_workers = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1)
     assert _last_batch.counted_length(with_workers) is None
     assert _last_batch.counted_length(torch.utils.data.DataLoader(data, batch_size=3)) == 3
-    assert _last_batch.counted_length(iter([1, 2])) == -1  # no length: counted, closed at its end
+    assert _last_batch.counted_length(iter([1, 2])) is None  # no length: looked ahead
     stream = torch.utils.data.DataLoader(_NoisyStream(), batch_size=3)
-    assert _last_batch.counted_length(stream) == -1  # counted, closed when it ends
+    assert _last_batch.counted_length(stream) is None
+    drawing = torch.utils.data.DataLoader(data, batch_sampler=_DrawingBatches(8, 3), num_workers=1)
+    assert _last_batch.counted_length(drawing) == 3  # its sampler draws here: counted
 
 
-@pytest.mark.parametrize("how", ["step", "group"])
-def test_a_generator_that_draws_keeps_the_hand_loops_random_stream(how: str) -> None:
-    """A generator drawing its batches as it yields (an IterableDataset handed to iterate
-    directly): batches and weights equal the plain loop's; the ragged window closes at its end."""
+@pytest.mark.parametrize(
+    "source",
+    [
+        lambda: (torch.randn(2, 4) for _ in range(10)),
+        lambda: torch.utils.data.DataLoader(
+            _NoisyStream(), batch_size=1, collate_fn=lambda b: b[0][0][None]
+        ),
+    ],
+    ids=["generator", "iterable data set without length"],
+)
+def test_without_a_length_every_window_ends_inside_the_loop_body(source: Any) -> None:
+    """An iterable without a length is looked ahead: loop control sees the pass's last window
+    in the loop body (until stops exactly at max_updates, maybe_save saves its update)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = loopkit.Checkpointer(tmp, model=model, step=step)
+        stop = loopkit.until(step, max_updates=8, signals=(), checkpointer=ckpt)
+        seen = 0
+        for _ in range(3):
+            for x in step.iterate(source()):
+                with step as s:
+                    s.backward(model(x).pow(2).mean())
+                seen += 1
+                ckpt.maybe_save(every=4)
+                if stop.check():
+                    break
+            if stop.reason is not None:
+                break
+        # passes of 10 batches in windows of 3, 3, 3 and 1: update 8 ends the second pass
+        assert step.updates == 8 and seen == 20 and stop.stopped_at == 8
+        assert [p.name for p in ckpt.checkpoints()] == ["ckpt-0000000004.pt", "ckpt-0000000008.pt"]
 
-    def make() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for _ in range(7):
-            yield torch.randn(2, 4), torch.randn(2, 1)
 
-    hand, w_hand, n = _train(make, "hand", 1, None)
-    got, w_got, updates = _train(make, how, 1, None)
-    assert got == hand and updates == n == 7
-    assert all(torch.equal(a, b) for a, b in zip(w_hand, w_got, strict=True))
-    _, _, updates = _train(make, "step", 3, None)
-    assert updates == 3  # 7 batches, windows of 3: the last (ragged) one closed at the end
+def test_a_length_shorter_than_the_batches_keeps_the_hand_loops_windows() -> None:
+    """An iterable of the user's whose __len__ says 7 but yields 10: the windows are the hand
+    loop's (no ragged window at the 7th batch), the rest looked ahead. (A DataLoader over an
+    IterableDataset is taken at its length's word: torch warns when it is not kept.)"""
+
+    class Lying:
+        def __len__(self) -> int:
+            return 7
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return iter([(torch.rand(1, 4), torch.rand(1, 1)) for _ in range(10)])
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    after = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in step.iterate(Lying()):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            after.append(step.updates)
+    assert after == [0, 0, 1, 1, 1, 2, 2, 2, 3, 4]  # the last window (1 batch) ragged

@@ -423,7 +423,9 @@ def _items(n: int, g: torch.Generator) -> list[dict[str, Any]]:
         box = torch.randn(k % 3 + 1, 4, generator=g)
         out.append({"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g),
                     "name": f"img_{i}", "id": i, "seq": torch.randn(k, generator=g),
-                    "target": {"box": box, "label": i}})  # fmt: skip
+                    "target": {"box": box, "label": i}, "fixed": torch.randn(11, generator=g),
+                    "img": torch.randn(3, 4 + k, 5 + k, generator=g),
+                    "tokens": list(range(k))})  # fmt: skip
     return out
 
 
@@ -447,6 +449,19 @@ LAYOUTS: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
     "namedtuple": lambda s: _Pair(_stack(s, "x"), _stack(s, "y")),
     "dataclass": lambda s: (_Batch(_stack(s, "x"), [it["name"] for it in s], 2.0),
                             _stack(s, "y")),
+    # torchvision's detection collate: tuple(zip(*batch)), images of other sizes
+    "detection": lambda s: (tuple(it["img"] for it in s), tuple(it["target"] for it in s)),
+    "same-length sequences and names": lambda s: ([it["fixed"] for it in s],
+                                                  [it["name"] for it in s]),
+    "token id lists": lambda s: {"ids": [it["tokens"] for it in s], "y": _stack(s, "y")},
+    # default_collate of samples holding a list of two dicts: a list of two collated dicts
+    "collated list of dicts": lambda s: {
+        "x": _stack(s, "x"),
+        "objs": [{"a": torch.tensor([it["id"] for it in s])},
+                 {"a": torch.tensor([-it["id"] for it in s])}],
+    },
+    "defaultdict": lambda s: collections.defaultdict(list, {"x": _stack(s, "x"),
+                                                            "y": _stack(s, "y")}),
 }  # fmt: skip
 
 
@@ -483,6 +498,26 @@ def test_chunks_cut_every_layout_by_its_samples(layout: str, n: int, micro: int)
     assert len(parts) == len(want)
     assert all(_same_batch(p, w) for (p, _), w in zip(parts, want, strict=True))
     assert [share for _, share in parts] == [len(items[a : a + micro]) / n for a in starts]
+
+
+def test_a_batch_whose_parts_disagree_is_read_by_the_loaders_batch_size_or_refused() -> None:
+    """A batch whose parts agree equally on two sizes (ids [B, T] and labels beside a mask
+    [T, T] and position ids [T]): the loader's batch_size decides, and the ragged last
+    batch is cut alike; without a loader's batch size it is refused, naming the parts."""
+    t = 6
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"ids": torch.arange(n * t).reshape(n, t), "labels": torch.ones(n, t),
+                "mask": torch.ones(t, t), "pos": torch.arange(t)}  # fmt: skip
+
+    state = micro_batch.Chunks(2)
+    parts = chunks(batch(4), 2, state, hint=4)
+    assert [len(p["ids"]) for p, _ in parts] == [2, 2]
+    assert all(p["mask"].shape == (t, t) and p["pos"].shape == (t,) for p, _ in parts)
+    last = chunks(batch(3), 2, state, hint=4)  # 3 samples: the parts cut before decide
+    assert [len(p["ids"]) for p, _ in last] == [2, 1]
+    with pytest.raises(ValueError, match=r"micro_batch= cannot tell.*'ids'"):
+        chunks(batch(4), 2)
 
 
 def test_a_batch_whose_samples_cannot_be_counted_is_refused() -> None:
@@ -569,8 +604,10 @@ def test_a_group_refuses_batch_statistics_too() -> None:
         loopkit.step(net, torch.optim.SGD(net.parameters(), lr=0.1), micro_batch=4),
     )
     with pytest.raises(RuntimeError, match="BatchNorm"):
-        for _ in group.iterate(batches([8])):
-            pass
+        for x, y in group.iterate(batches([8])):
+            for m, s in zip((head, net), group.members, strict=True):
+                with s as st:
+                    st.backward(nn.functional.mse_loss(m(x), y))
 
 
 # -- what is logged: whole batches, once each --------------------------------------------
@@ -646,3 +683,98 @@ def test_a_users_error_in_a_micro_batched_step_comes_out_unchanged(
                 s.backward(nn.functional.mse_loss(model(x), y))
                 raise error
     assert caught.value is error
+
+
+def test_batch_statistics_are_checked_in_the_mode_the_chunks_run_in() -> None:
+    """The mode counts as each chunk's micro-step opens: model.train() at the top of the loop
+    body (eval() before it) is refused; BatchNorm frozen (eval) in the body trains as the whole
+    batch; a critic's BatchNorm reached through frozen= is checked too."""
+
+    def run(micro: int | None, pre: Any, body: Any) -> list[torch.Tensor] | str:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=micro)
+        pre(model)
+        try:
+            for x, y in step.iterate(batches([8, 8])):
+                body(model)
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                model.eval()  # an evaluation after each batch
+        except RuntimeError as err:
+            return str(err)
+        return params(model)
+
+    def freeze(model: nn.Module) -> None:
+        model.train()
+        model[1].eval()
+
+    refused = run(4, lambda m: m.eval(), lambda m: m.train())
+    assert isinstance(refused, str) and "BatchNorm" in refused
+    frozen = run(4, lambda m: m.train(), freeze)
+    assert not isinstance(frozen, str)
+    whole = run(None, lambda m: m.train(), freeze)
+    torch.testing.assert_close(frozen, whole, rtol=0, atol=1e-6)
+    critic = nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    gen = nn.Linear(8, 1)
+    g_step = loopkit.step(gen, torch.optim.SGD(gen.parameters(), lr=0.1), micro_batch=4,
+                          frozen=[critic])  # fmt: skip
+    d_step = loopkit.step(critic, torch.optim.SGD(critic.parameters(), lr=0.1), micro_batch=4)
+    with pytest.raises(RuntimeError, match=r"frozen\[0\]\.1"):
+        for x, _ in loopkit.steps(d_step, g_step).iterate(batches([8])):
+            for part in g_step.split(x):
+                with g_step as s:
+                    s.backward(critic(gen(part)).mean())
+
+
+def test_a_batchs_record_is_what_the_whole_batch_would_log() -> None:
+    """The chunks' records combine by each metric's reduction (pure): a weighted mean (shares
+    or weight=), a sum, a max, a min, the last; a constant float comes out exactly itself."""
+    how = {"loss": "mean", "correct": "sum", "worst": "max", "best": "min", "seen": "last"}.get
+    parts: list[tuple[Any, dict[str, Any]]] = [
+        (0.75, {"loss": torch.tensor(2.0), "correct": torch.tensor(3.0),
+                "worst": torch.tensor(5.0), "best": 1.0, "seen": 7.0, "lr": 0.0007}),
+        (0.25, {"loss": torch.tensor(6.0), "correct": torch.tensor(1.0),
+                "worst": torch.tensor(4.0), "best": 0.5, "seen": 8.0, "lr": 0.0007}),
+    ]  # fmt: skip
+    out = micro_batch.combined(parts, lambda n: how(n, "mean"))
+    assert float(out["loss"]) == 3.0 and float(out["correct"]) == 4.0
+    assert float(out["worst"]) == 5.0 and out["best"] == 0.5 and out["seen"] == 8.0
+    assert out["lr"] == 0.0007
+    tokens = [(torch.tensor(10.0), {"loss": torch.tensor(1.0)}),
+              (torch.tensor(30.0), {"loss": torch.tensor(3.0)})]  # fmt: skip
+    assert float(micro_batch.combined(tokens, lambda n: "mean")["loss"]) == 2.5
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_log_of_sums_maxima_and_token_means_is_the_whole_batchs(weighted: bool) -> None:
+    """A log with reduce= sum/max and a loss weighted by tokens (weight=): the same values
+    as the whole-batch loop's log."""
+
+    def run(chunk: int | None) -> list[dict[str, float]]:
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 10)
+        rows: list[dict[str, float]] = []
+        log = loopkit.detach_logging(every=1, sink=rows.append,
+                                     reduce={"correct": "sum", "worst": "max"})  # fmt: skip
+        step = loopkit.step(emb, torch.optim.SGD(emb.parameters(), lr=0.1), micro_batch=chunk,
+                            log=log)  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.tensor([6, 6, 2, 1, 5, 3, 6, 4])
+        ids = torch.randint(0, 10, (8, 6), generator=g)
+        mask = torch.arange(6)[None, :] < lengths[:, None]
+        for x, m in step.iterate([(ids, mask), (ids.flip(0), mask.flip(0))]):
+            with step as s:
+                per = nn.functional.cross_entropy(emb(x).reshape(-1, 10), x.reshape(-1),
+                                                  reduction="none").reshape(x.shape)  # fmt: skip
+                tokens = m.sum()
+                loss = (per * m).sum() / tokens if weighted else per.mean()
+                s.log_metrics(correct=(emb(x).argmax(-1) == x).sum().float(),
+                              worst=per.max())  # fmt: skip
+                s.backward(loss, weight=tokens if weighted else None)
+        return rows
+
+    whole, chunked = run(None), run(3)
+    assert len(whole) == len(chunked) == 2
+    for a, b in zip(whole, chunked, strict=True):
+        assert b == pytest.approx(a, rel=1e-5)

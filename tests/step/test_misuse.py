@@ -386,3 +386,51 @@ def test_a_checkpointer_rollback_mid_run_moves_the_scheduler_without_refusal(
     for batch in step.iterate(batches([4] * 4)):
         _micro(step, model, batch)
     assert sched.last_epoch == 4 and step.updates == 7
+
+
+def test_a_rollback_by_hand_mid_run_is_no_foreign_step() -> None:
+    """The loop restores model, optimizer and scheduler by hand after some updates (a
+    rollback): the scheduler moved back, which no step() does; the next updates step it on."""
+    model, opt, sched, step = _setup(every=2, scheduler=True)
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+             copy.deepcopy(sched.state_dict()))  # fmt: skip
+    for batch in step.iterate(batches([4] * 8)):
+        _micro(step, model, batch)
+    assert sched.last_epoch == 4
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    sched.load_state_dict(saved[2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in step.iterate(batches([4] * 4)):
+            _micro(step, model, batch)
+    assert sched.last_epoch == 2 and step.updates == 6
+
+
+def test_a_refused_window_end_leaves_no_warning_after_its_error(tmp_path: Path) -> None:
+    """A scheduler.step() refused at a window's end leaves the window open; the script that
+    ends on that error prints the error alone, no OpenWindowWarning."""
+    script = tmp_path / "refused.py"
+    script.write_text(
+        inspect.cleandoc(
+            """
+            import torch, loopkit
+            model = torch.nn.Linear(3, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+            step = loopkit.step(model, opt, accumulate=2, scheduler=sched)
+            try:
+                for x in torch.randn(4, 2, 3):
+                    with step as s:
+                        s.backward(model(x).mean())
+                    sched.step()
+            except RuntimeError as err:
+                print("refused:", "also stepped by your code" in str(err))
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0 and "refused: True" in proc.stdout, proc.stderr
+    assert "OpenWindowWarning" not in proc.stderr, proc.stderr
