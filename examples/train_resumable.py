@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check-every", type=int, default=2, help="updates between checks")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per batch (a demo knob)")
     parser.add_argument("--ema", type=float, help="keep an EMA of the weights at this decay")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model (FSDP2) by layer")
+    parser.add_argument("--replicate", type=int, help="with --fsdp: HSDP, this many replicas")
     args = parser.parse_args(argv)
 
     with distributed.setup():
@@ -111,7 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         val_loader = distributed.loader(held_out, batch_size=32, shuffle=False, num_workers=0)
         if args.checkpointed:
             loopkit.checkpointed(model, blocks=Block)
-        model = distributed.wrap(model)
+        # --fsdp: each Linear its own shard group (every rank holds a part of every layer);
+        # the Checkpointer then writes each rank's shards into a checkpoint directory.
+        fsdp = nn.Linear if args.fsdp else False
+        model = distributed.wrap(model, fsdp=fsdp, replicate=args.replicate)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
         # An fp32 average of the weights, updated after each real update, saved with the step.
@@ -179,12 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         if stop.preempted:
             say(f"preempted at update {step.updates} by {stop.reason}: saved")
             return
-        if args.out and distributed.is_rank_zero():
+        if args.out:
             inner = getattr(model, "module", model)
-            final = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+            final = {k: full(v) for k, v in inner.state_dict().items()}
             if average is not None:
-                final |= {f"ema.{k}": v.clone() for k, v in average.named_shadow().items()}
-            torch.save(final, args.out)
+                final |= {f"ema.{k}": full(v) for k, v in average.state_dict()["shadow"].items()}
+            if distributed.is_rank_zero():
+                torch.save(final, args.out)
         say(f"finished at update {step.updates} ({stop.reason})")
 
 
@@ -192,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
 def say(line: str) -> None:
     """Print once per job (rank zero), not once per process."""
     print(line, flush=True)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on every rank: a sharded one gathered (a collective: every rank calls it)."""
+    gather = getattr(t, "full_tensor", None)
+    return (gather() if callable(gather) else t).detach().clone()
 
 
 def squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:

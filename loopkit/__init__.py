@@ -33,6 +33,7 @@ _WHERE: dict[str, str] = {
     "autocast_step": "_precision",
     "Checkpointer": "_checkpoint._save_resume",
     "load_checkpoint": "_checkpoint._files",
+    "export_weights": "_checkpoint._export",
     "step": "_step._compose",
     "steps": "_step._group",
     "scale_lr": "_step._lr_scale",
@@ -83,6 +84,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from . import distributed as distributed
     from . import lint as lint
+    from ._checkpoint._export import export_weights as export_weights
     from ._checkpoint._files import load_checkpoint as load_checkpoint
     from ._checkpoint._save_resume import Checkpointer as Checkpointer
     from ._control._cadence import cadence as cadence

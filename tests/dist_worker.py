@@ -510,6 +510,94 @@ def ema_fsdp2(info: distributed.DistInfo) -> dict[str, Any]:
     }
 
 
+def _sharded_run(root: Any, stop: int | None = None, width: int = 16) -> Any:
+    """An FSDP2 run (each Linear a shard group) with AdamW, a scheduler, an EMA, clipping and
+    a distributed.loader, saved every 3 updates; None if stopped (the process dies there)."""
+    torch.manual_seed(0)
+    model = distributed.wrap(nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 2)),
+                             fsdp=nn.Linear)  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    average = loopkit.ema(model, decay=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    g = torch.Generator().manual_seed(5)
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                             torch.randn(64, 2, generator=g))  # fmt: skip
+    loader = distributed.loader(dataset, batch_size=4, seed=0, num_workers=0)
+    step = loopkit.step(model, opt, accumulate=2, scheduler=sched, ema=average, clip_grad_norm=1.0)
+    ckpt = loopkit.Checkpointer(root, model=model, step=step, loader=loader)
+    ckpt.resume()
+    for _ in range(loader.epoch, 2):
+        for x, y in step.iterate(loader):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+            ckpt.maybe_save(every=3)
+            if stop is not None and step.updates == stop and step.micro_step == 0:
+                return None
+    ckpt.save_if_needed()  # the end state
+    full = [p.full_tensor() for p in model.parameters()]
+    shadow = [t.full_tensor() for t in average.state_dict()["shadow"].values()]
+    return full, shadow, step.updates, sched.last_epoch, model, ckpt
+
+
+@scenario
+def sharded_checkpoint(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2: a run stopped after a save and resumed by fresh objects ends bit-identical
+    (weights, EMA); a resume with another model is refused before anything loads; a newest
+    checkpoint missing a rank's shards is refused naming the older one, which resumes."""
+    import sys
+    from pathlib import Path
+
+    root = Path(sys.argv[1]) / "sharded"
+    whole = _sharded_run(root / "whole")
+    # The weights out, in one process (no process group), from every rank's shards.
+    final = sorted((root / "whole").glob("ckpt-*"))[-1]
+    exported = loopkit.export_weights(final) if info.rank == 0 else None
+    average = loopkit.export_weights(final, ema=True) if info.rank == 0 else None
+    names = [n for n, _ in whole[4].named_parameters()]
+    exported_ok = info.rank != 0 or (
+        all(torch.equal(exported[n], t) for n, t in zip(names, whole[0], strict=True))
+        and all(torch.equal(average[n], t) for n, t in zip(names, whole[1], strict=True))
+    )
+    _sharded_run(root / "cut", stop=5)
+    resumed = _sharded_run(root / "cut")
+    names_cut = sorted(p.name for p in (root / "cut").iterdir())
+    same = all(torch.equal(a, b) for a, b in zip(whole[0], resumed[0], strict=True)) and all(
+        torch.equal(a, b) for a, b in zip(whole[1], resumed[1], strict=True)
+    )
+    # Another width: refused from the placeholders, before any shard is read.
+    torch.manual_seed(1)
+    other = distributed.wrap(nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 2)),
+                             fsdp=nn.Linear)  # fmt: skip
+    before = [p.full_tensor() for p in other.parameters()]
+    refused = None
+    try:
+        loopkit.Checkpointer(root / "cut", model=other).resume()
+    except loopkit.CheckpointError as err:
+        refused = str(err)
+    unchanged = all(torch.equal(a, p.full_tensor())
+                    for a, p in zip(before, other.parameters(), strict=True))  # fmt: skip
+    # The newest checkpoint loses rank 1's shards (a node lost during a copy, say).
+    newest = sorted((root / "cut").glob("ckpt-*"))[-1]
+    dist.barrier()
+    if info.rank == 0:
+        (newest / "__1_0.distcp").unlink()
+    dist.barrier()
+    damaged = None
+    ckpt = resumed[5]
+    try:
+        ckpt.resume()
+    except loopkit.CheckpointError as err:
+        damaged = str(err)
+    older = sorted((root / "cut").glob("ckpt-*"))[-2]
+    ckpt.resume(older)
+    return {
+        "same": same, "updates": (whole[2], resumed[2]), "lr_epochs": (whole[3], resumed[3]),
+        "names": names_cut, "refused": refused, "unchanged": unchanged, "damaged": damaged,
+        "exported": exported_ok,
+        "older": older.name, "older_updates": ckpt.step.updates,
+    }  # fmt: skip
+
+
 @scenario
 def micro_batch_probe(info: distributed.DistInfo) -> dict[str, Any]:
     """Ranks that fit different sizes agree on the smallest; micro-batched DDP training then

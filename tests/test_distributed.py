@@ -344,3 +344,18 @@ def test_loader_defaults_follow_the_guides() -> None:
     with pytest.raises(ValueError, match="int >= 1"):
         distributed.loader(dataset, batch_size=0)
     assert loopkit.distributed.is_rank_zero()
+
+
+def test_a_sharded_model_checkpoints_resumes_and_refuses_as_one_process(
+    dist_results: dict[str, Any],
+) -> None:
+    """FSDP2 on 2 ranks: checkpoints are directories of every rank's shards; a resumed run
+    ends bit-identical (weights, EMA, scheduler); another model is refused before anything
+    loads; a newest checkpoint missing a rank's shards names the older one, which resumes."""
+    for r in dist_results["sharded_checkpoint"]:
+        assert r["same"] and r["updates"] == (8, 8) and r["lr_epochs"][0] == r["lr_epochs"][1]
+        assert r["names"] == ["ckpt-0000000003", "ckpt-0000000006", "ckpt-0000000008"]
+        assert r["refused"] is not None and "(16, 8)" in r["refused"] and r["unchanged"]
+        assert r["damaged"] is not None and "unreadable" in r["damaged"]
+        assert r["older"] in r["damaged"] and r["older_updates"] == 6
+        assert r["exported"]  # export_weights gathers the final weights and EMA in one process

@@ -119,7 +119,8 @@ def test_foundations_import_no_capability() -> None:
 def test_every_private_module_is_a_foundation_or_in_a_capability_folder() -> None:
     """The top of the package holds only foundations, single-file capabilities and the public."""
     top = {p.stem for p in PACKAGE.glob("*.py")}
-    public = {"__init__", "distributed", "preload_caches"}  # python -m loopkit.preload_caches
+    # python -m loopkit.preload_caches, python -m loopkit.export
+    public = {"__init__", "distributed", "preload_caches", "export"}
     assert top - FOUNDATIONS - SINGLE_FILE_CAPABILITIES == public
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == {

@@ -11,10 +11,12 @@ directory). Reading uses ``torch.load(weights_only=True)``: nothing in a file ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
 import secrets
+import shutil
 import socket
 import sys
 import time
@@ -30,17 +32,19 @@ if sys.platform != "win32":
     import fcntl
 
 FORMAT = "loopkit-checkpoint-1"
-_NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
+# A file, or a directory (a sharded model's checkpoint: ``_sharded``).
+_NAME = re.compile(r"^ckpt-(\d{10})(\.pt)?$")
 _TEMPORARIES = ".ckpt-*.tmp*"
-_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+"""This host's name, as temporaries are named (a writer's host, pid and a random suffix)."""
 
 Moves = list[tuple[Path, Path]]
 """Files moved aside, as (where it was, where it is now)."""
 
 
-def path_for(directory: Path, number: int) -> Path:
-    """Where checkpoint ``number`` is written."""
-    return directory / f"ckpt-{number:010d}.pt"
+def path_for(directory: Path, number: int, sharded: bool = False) -> Path:
+    """Where checkpoint ``number`` is written (a directory for a sharded model's)."""
+    return directory / (f"ckpt-{number:010d}" if sharded else f"ckpt-{number:010d}.pt")
 
 
 def number_of(path: Path) -> int:
@@ -60,8 +64,16 @@ def checkpoints(directory: Path) -> list[Path]:
 def prune(directory: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints, and the temporaries of dead saves."""
     for old in checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+        remove(old)
     remove_stale_temporaries(directory)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint (a file, or a sharded model's directory)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(directory: Path) -> None:
@@ -87,7 +99,7 @@ def remove_stale_temporaries(directory: Path) -> None:
             except FileNotFoundError:
                 continue
             if same:
-                tmp.unlink(missing_ok=True)  # while locked: see atomic_save
+                remove(tmp)  # while locked: see atomic_save (a directory: _sharded.write)
         finally:
             os.close(fd)
 
@@ -98,7 +110,7 @@ def atomic_save(state: object, path: Path) -> None:
     # The temporary is named for its writer (host, pid, random) and locked while it lives:
     # remove_stale_temporaries deletes only temporaries whose lock it can take.
     while True:
-        tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}-{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         if sys.platform == "win32":
             break
@@ -122,6 +134,17 @@ def atomic_save(state: object, path: Path) -> None:
     finally:
         f.close()  # releases the lock, after the rename
     fsync_dir(path.parent)
+
+
+def hold(path: Path) -> int:
+    """An exclusive lock on ``path`` (a directory being written), held until the returned
+    descriptor is closed: ``remove_stale_temporaries`` does not remove a held one."""
+    fd = os.open(path, os.O_RDONLY)
+    if sys.platform != "win32":
+        # A filesystem without locks: clean-ups cannot lock it either, so they skip it.
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def fsync_dir(directory: Path) -> None:
@@ -178,8 +201,15 @@ def move_back(moved: Moves) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint safely (no code runs); raise CheckpointError saying what is wrong."""
+    """Read a checkpoint safely (no code runs); raise CheckpointError saying what is wrong.
+
+    A sharded model's checkpoint (a directory) gives its ``loop.pt``: each DTensor there is a
+    placeholder naming its shards' key, global shape and dtype."""
     p = Path(path)
+    if p.is_dir() and _NAME.match(p.name):
+        p = p / "loop.pt"
+        if not p.is_file():
+            raise CheckpointError(f"{p.parent}: unreadable (truncated or corrupt): no loop.pt")
     if not p.is_file():
         raise CheckpointError(f"{p}: no such checkpoint file")
     try:

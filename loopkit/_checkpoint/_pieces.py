@@ -506,10 +506,11 @@ def pieces_for(
     """A Checkpointer's objects as pieces by file key; an object that cannot be one is refused."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if sync_kind(model) in ("fsdp1", "fsdp2"):
+    if sync_kind(model) == "fsdp1" or any(sync_kind(m) == "fsdp1" for m in model.modules()):
         raise ValueError(
-            "the model is sharded (FSDP): its full state lives on no single rank; save "
-            "it with torch.distributed.checkpoint instead"
+            "the model is sharded by FSDP1 (flat parameters), which the Checkpointer does not "
+            "save: shard it with FSDP2 (loopkit.distributed.wrap(model, fsdp=Block), or "
+            "torch.distributed.fsdp.fully_shard), whose checkpoints every rank writes its part of"
         )
     pieces: dict[str, StatePiece] = {"model": ModelState(model)}
     if optimizer is not None:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
+
+import torch
 
 from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
+from . import _sharded
 from ._contract import StatePiece, check_all, load_all, need
-from ._pieces import StepsState, StepState
+from ._pieces import OptimizerState, StepsState, StepState
 
 BOOKKEEPING = ("format", "world_size", "saves")
 """Entries of a file beside the pieces' states."""
@@ -77,47 +81,101 @@ def agreed(target: Path | None, error: Exception | None) -> Exception | None:
     return None
 
 
+def _as_checkpoint_error(err: Exception, target: Path | None) -> Exception:
+    """``err`` as the CheckpointError a resume raises (damaged past what the checks name, or
+    the move aside failed)."""
+    if isinstance(err, CheckpointError):
+        return err
+    error = CheckpointError(f"{target}: cannot resume from it: {err!r}")
+    error.__cause__ = err
+    return error
+
+
+def _live(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> dict[str, object]:
+    """The run's own state of the pieces whose saved state holds shards (their layout); an
+    optimizer that has not stepped yet lays its state out as its parameters."""
+    names = {key.split("/")[0] for key in _sharded.placeholders(state)}
+    live: dict[str, object] = {}
+    for name in names:
+        piece = pieces.get(name)
+        if piece is None:
+            continue
+        live[name] = piece.state_dict()
+        if isinstance(piece, OptimizerState):
+            live[name] = _sharded.with_parameter_layout(live[name], piece.optimizer)
+    return live
+
+
 def read_agreed(
     directory: Path,
     target: Path | None,
     pieces: Mapping[str, StatePiece],
     older: Sequence[Path] = (),
+    sharded: bool = False,
 ) -> tuple[Mapping[str, object], files.Moves]:
     """``target``'s checked state (empty for None) once every rank could resume from it.
 
     Rank zero moves the checkpoints newer than ``target`` aside (a new lineage); the moves
     are returned, to be undone if loading fails. Raises the error every rank agreed on,
     with nothing moved; when ``target`` is the newest and unreadable, the error names the
-    ``older`` checkpoints that a resume by path can use.
+    ``older`` checkpoints that a resume by path can use. ``sharded``: the run's model is
+    sharded (the same on every rank): its shards are read once every rank found the file fits.
     """
     error: Exception | None = None
     moved: files.Moves = []
     state: Mapping[str, object] = {}
+    shards: dict[str, torch.Tensor] = {}
     try:
         if target is not None:
             state = files.load_checkpoint(target)
+            if sharded:  # checked against the run's own tensors before any shard is read
+                try:
+                    shards = _sharded.templates(state, _live(pieces, state))
+                except CheckpointError as err:  # said without the file: name it
+                    raise CheckpointError(f"{target}: {err}") from err
+    except Exception as err:
+        error = _as_checkpoint_error(err, target)
+    if sharded and target is not None:
+        # Reading the shards is a collective: every rank must have read loop.pt and found
+        # it fits before any rank starts (one host-level exchange).
+        error = agreed(target, _naming_older(error, directory, older))
+        if error is not None:
+            raise error
+        try:
+            _sharded.read_shards(target, shards)
+            state = cast(Mapping[str, object], _sharded.filled(state, shards))
+        except Exception as err:
+            error = CheckpointError(f"{target}: unreadable (its shards are incomplete or "
+                                    f"corrupt): {err}")  # fmt: skip
+            error.__cause__ = err
+    try:
+        if target is not None and error is None:
             check_file(pieces, state, target)
             if _ranks.world()[0] == 0:
                 moved = files.abandon_newer(directory, target, number_of(pieces, state))
-    except CheckpointError as err:
-        error = err
-    except Exception as err:  # damaged past what check_file names, or the move aside failed
-        error = CheckpointError(f"{target}: cannot resume from it: {err!r}")
-        error.__cause__ = err
-    if error is not None and older and "unreadable" in str(error):
-        names = ", ".join(p.name for p in reversed(older[-3:]))
-        cause = error
-        error = CheckpointError(
-            f"{error}. The newest checkpoint is damaged (a save cut short?); older ones are "
-            f"in {directory} ({names}{', ...' if len(older) > 3 else ''}): resume the newest "
-            f"of them with ckpt.resume({str(older[-1])!r}) (newer files are moved aside)"
-        )
-        error.__cause__ = cause
-    error = agreed(target, error)
+    except Exception as err:
+        error = _as_checkpoint_error(err, target)
+    error = agreed(target, _naming_older(error, directory, older))
     if error is not None:
         files.move_back(moved)
         raise error
     return state, moved
+
+
+def _naming_older(
+    error: Exception | None, directory: Path, older: Sequence[Path]
+) -> Exception | None:
+    """An unreadable newest checkpoint's error, naming the older ones a resume by path can use."""
+    if error is None or not older or "unreadable" not in str(error):
+        return error
+    names = ", ".join(p.name for p in reversed(older[-3:]))
+    said = CheckpointError(
+        f"{error}. The newest checkpoint is damaged (a save cut short?); older ones are "
+        f"in {directory} ({names}{', ...' if len(older) > 3 else ''}): resume the newest "
+        f"of them with ckpt.resume({str(older[-1])!r}) (newer files are moved aside)"
+    )
+    said.__cause__ = error
+    return said
 
 
 def number_of(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> int:

@@ -30,6 +30,7 @@ from .._precision import autocast_step
 from .._step import _accumulate, _compose, _group, _misuse
 from .._types import Clock, Stateful
 from . import _files as files
+from . import _sharded
 from ._contract import StatePiece, need, per_rank
 from ._deferred import DeferredSave
 from ._pieces import LoaderState, StepsState, StepState, pieces_for
@@ -158,16 +159,8 @@ class Checkpointer:
         for name, piece in self.pieces.items():
             if per_rank(piece):
                 state[name] = _ranks.gather_objects(piece.state_dict())  # a host-level collective
-        rank = _ranks.world()[0]
         number = self._updates() if self.step is not None else self._saves + 1
-        path, error = None, None
-        if rank == 0:
-            path = files.path_for(self.directory, number)
-            try:
-                files.atomic_save(state, path)
-                files.prune(self.directory, self.keep)
-            except Exception as err:
-                error = err
+        path, error = _write(state, self.directory, number, self.keep)
         # Every rank learns whether the file was written (no rank may read or prune before
         # it is complete, and none goes on as if it were saved when it is not).
         failed = _ranks.gather_objects(None if error is None else repr(error))[0]
@@ -271,7 +264,9 @@ class Checkpointer:
         self._used = True  # even a refused resume: pieces added now would miss its checks
         found = self.checkpoints() if path is None else []
         target = (found[-1] if found else None) if path is None else Path(path)
-        state, moved = read_agreed(self.directory, target, self.pieces, older=found[:-1])
+        sharded = _sharded.is_sharded(self.model)
+        state, moved = read_agreed(self.directory, target, self.pieces, older=found[:-1],
+                                   sharded=sharded)  # fmt: skip
         if _ranks.world()[0] == 0:
             files.remove_stale_temporaries(self.directory)  # a crashed save's leftovers
         if target is None:
@@ -321,3 +316,27 @@ def _written_before_epoch_code(ckpt: Checkpointer) -> Path | None:
         return ckpt.save()
     finally:
         piece.epoch_open = False
+
+
+def _write(
+    state: dict[str, Any], directory: Path, number: int, keep: int
+) -> tuple[Path | None, Exception | None]:
+    """Write checkpoint ``number`` and prune to ``keep``; the path on rank zero (None on the
+    others) and rank zero's error. A sharded model's state: every rank writes its shards (a
+    collective, which raises on every rank alike when a rank cannot write its part)."""
+    rank = _ranks.world()[0]
+    path = None
+    if _sharded.holds_shards(state):
+        where = files.path_for(directory, number, sharded=True)
+        _sharded.write(state, where)
+        path = where if rank == 0 else None
+    if rank != 0:
+        return None, None
+    try:
+        if path is None:
+            path = files.path_for(directory, number)
+            files.atomic_save(state, path)
+        files.prune(directory, keep)
+    except Exception as err:
+        return path, err
+    return path, None

@@ -15,15 +15,34 @@ def wrap(
     model: nn.Module,
     *,
     fsdp: bool | Blocks = False,
+    replicate: int | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Wrap ``model`` in DDP (or FSDP2 with ``fsdp=True``/``fsdp=BlockClass``) for this job.
 
     Moves the model to this process's device first. Single-process it returns the model
-    unchanged. ``fsdp=BlockClass`` shards each such block, then the root.
+    unchanged. ``fsdp=BlockClass`` shards each such block, then the root. ``replicate=R``
+    with ``fsdp=``: HSDP, FSDP2 on a 2-D mesh of R replicas, each sharded over
+    ``world_size // R`` ranks (shards within a node, replicas across nodes: give each node
+    its shard group, R the number of nodes).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
+    if replicate is not None:
+        world = info().world_size
+        if fsdp is False:
+            raise ValueError(
+                "replicate= builds HSDP, a sharded model: give fsdp=BlockClass (or fsdp=True) too"
+            )
+        if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+            raise ValueError(
+                f"replicate must be an int >= 1 (replicas of the model), got {replicate!r}"
+            )
+        if world % replicate:
+            raise ValueError(
+                f"replicate={replicate} does not divide the {world} processes of this job: each "
+                "replica must shard over the same number of ranks"
+            )
     if sync_kind(model) != "none":
         raise ValueError(
             f"the model is already wrapped ({sync_kind(model).upper()}): wrap it once; pass "
@@ -36,10 +55,16 @@ def wrap(
     if fsdp is not False:
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if replicate is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(here.device.type, (replicate, here.world_size // replicate),
+                                    mesh_dim_names=("replicate", "shard"))  # fmt: skip
         if fsdp is not True:
             for block in select_blocks(model, fsdp):
-                fully_shard(block)
-        fully_shard(model)
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     if here.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [here.device.index])

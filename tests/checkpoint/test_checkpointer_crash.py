@@ -38,12 +38,15 @@ EPOCHS = ["--epochs", "12"]
 
 
 def _names(directory: Path) -> set[str]:
-    return {p.name for p in directory.glob("ckpt-*.pt")}
+    """Finished checkpoints: files, or a sharded model's directories."""
+    return {p.name for p in directory.glob("ckpt-*")}
 
 
 def _all_checkpoints_readable(directory: Path) -> None:
-    for path in sorted(directory.glob("ckpt-*.pt")):
+    for path in sorted(directory.glob("ckpt-*")):
         loopkit.load_checkpoint(path)  # raises if any finished checkpoint is unreadable
+        if path.is_dir():  # every rank's shards and DCP's metadata are there
+            assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in path.iterdir()}
 
 
 def _start(cmd: list[str]) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
@@ -103,15 +106,15 @@ KILLS = 10 if DEEP else 6
 
 
 def _kill_ten_times(
-    tmp_path: Path, command: Callable[[int], list[str]], seed: str
+    tmp_path: Path, command: Callable[[int], list[str]], seed: str, kills: int = KILLS
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The uninterrupted run's weights, and those of a run killed KILLS times and resumed."""
+    """The uninterrupted run's weights, and those of a run killed ``kills`` times and resumed."""
     ref = tmp_path / "ref.pt"
     _run([*command(-1), "--dir", str(tmp_path / "ref_run"), "--out", str(ref)])
     run_dir = tmp_path / "run"
     rng = random.Random(seed)
     mid_save, resumed = 0, 0
-    for kill in range(KILLS):
+    for kill in range(kills):
         known = _names(run_dir)
         # A killed save leaves its temporary until the next run cleans it up: only a new
         # one is this run's save in progress.
@@ -143,11 +146,11 @@ def _kill_ten_times(
         resumed += any("resumed from" in x for x in lines)
         _all_checkpoints_readable(run_dir)  # never a corrupt checkpoint on disk
     final = tmp_path / "final.pt"
-    _run([*command(KILLS), "--dir", str(run_dir), "--out", str(final)])
-    assert mid_save == len(range(1, KILLS, 3)), "a kill meant for the middle of a save missed it"
-    assert resumed == KILLS - 1  # every run after the first continued from a checkpoint
+    _run([*command(kills), "--dir", str(run_dir), "--out", str(final)])
+    assert mid_save == len(range(1, kills, 3)), "a kill meant for the middle of a save missed it"
+    assert resumed == kills - 1  # every run after the first continued from a checkpoint
     assert not list(run_dir.glob(".ckpt-*.tmp*"))  # leftovers of the killed saves are gone
-    assert len(list(run_dir.glob("ckpt-*.pt"))) == 2  # keep=2
+    assert len(list(run_dir.glob("ckpt-*"))) == 2  # keep=2
     return torch.load(ref, weights_only=True), torch.load(final, weights_only=True)
 
 
@@ -190,3 +193,13 @@ def test_random_augmentation_under_torchrun_resumes_bit_identically(tmp_path: Pa
            "--workers", "1", "--ema", "0.99"]  # fmt: skip
     ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-torchrun")
     assert _bit_equal(ref, final)
+
+
+def test_a_sharded_model_killed_with_its_whole_job_resumes_bit_identically(tmp_path: Path) -> None:
+    """FSDP2 on two ranks, each writing its shards of model, optimizer and EMA: the whole
+    process tree killed at random moments (every third mid-save), resumed each time: the
+    uninterrupted weights and average, gathered."""
+    cmd = [*TORCHRUN, *EXAMPLE, *EPOCHS, "--fsdp", "--ema", "0.99"]
+    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-fsdp", kills=KILLS - 2)
+    assert _bit_equal(ref, final)
+    assert any(k.startswith("ema.") for k in final)

@@ -1,0 +1,264 @@
+"""Checkpoints of sharded models: each rank writes its shards, the loop's state beside them.
+
+A model sharded by FSDP2 (or HSDP, FSDP2 on a 2-D mesh) holds its parameters, its
+optimizer's state and its EMA as DTensors: no rank has the whole. Such a checkpoint is a
+directory: ``torch.distributed.checkpoint`` (DCP) writes every DTensor of the state, each
+rank its own shards (no gather), and rank zero writes ``loop.pt``, the rest of the state
+(counters, schedulers, the loader's place, every rank's RNG states, ``extra=``) in the
+format of a one-file checkpoint, each DTensor replaced by a placeholder naming its DCP key,
+its global shape and its dtype. The directory is written under a temporary name and
+renamed once every rank's shards and ``loop.pt`` are on disk, so a checkpoint that carries
+a checkpoint's name is complete; a killed save leaves only a temporary.
+
+A resume reads ``loop.pt`` (``weights_only``: nothing runs code), checks every placeholder
+against the tensor the run holds at the same place (its global shape and dtype), and only
+then has DCP read the shards into fresh tensors laid out as the run's own, resharding them
+if the number of ranks changed. DCP is asked for tensors only: the pickled objects it can
+store are never read.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _ranks
+from .._errors import CheckpointError
+from . import _files as files
+
+PLACEHOLDER = "__loopkit_dcp__"
+"""The key of a placeholder in ``loop.pt``: the DCP key of the tensor it stands for."""
+LOOP_FILE = "loop.pt"
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return None
+    return DTensor
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2, HSDP): its state is in shards."""
+    kind = _dtensor_type()
+    return kind is not None and any(isinstance(p, kind) for p in model.parameters())
+
+
+def holds_shards(state: object) -> bool:
+    """Whether ``state`` holds a DTensor anywhere (a sharded model's, optimizer's or EMA's)."""
+    kind = _dtensor_type()
+    return kind is not None and any(isinstance(v, kind) for _, v in _leaves(state, ()))
+
+
+def _leaves(node: object, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], object]]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, (*path, str(k)))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _leaves(v, (*path, str(i)))
+    else:
+        yield path, node
+
+
+def _key(path: tuple[str, ...]) -> str:
+    return "/".join(path)
+
+
+def split(state: object) -> tuple[object, dict[str, torch.Tensor]]:
+    """``state`` with each DTensor replaced by a placeholder, and the DTensors by DCP key."""
+    kind = _dtensor_type()
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: object, path: tuple[str, ...]) -> object:
+        if kind is not None and isinstance(node, torch.Tensor) and isinstance(node, kind):
+            key = _key(path)
+            tensors[key] = node
+            return {PLACEHOLDER: key, "shape": list(node.shape), "dtype": str(node.dtype)}
+        if isinstance(node, dict):
+            return {k: walk(v, (*path, str(k))) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            out = [walk(v, (*path, str(i))) for i, v in enumerate(node)]
+            return out if isinstance(node, list) else tuple(out)
+        return node
+
+    return walk(state, ()), tensors
+
+
+def _is_placeholder(node: object) -> bool:
+    return isinstance(node, dict) and PLACEHOLDER in node
+
+
+def placeholders(state: object) -> dict[str, dict[str, Any]]:
+    """The placeholders of a saved ``loop.pt`` state, by DCP key."""
+    found: dict[str, dict[str, Any]] = {}
+
+    def walk(node: object) -> None:
+        if _is_placeholder(node):
+            assert isinstance(node, dict)
+            found[str(node[PLACEHOLDER])] = node
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(state)
+    return found
+
+
+def _at(node: object, path: list[str]) -> object:
+    """The value at ``path`` in a live state (KeyError/IndexError where there is none)."""
+    for part in path:
+        if isinstance(node, dict):
+            key: object = part
+            if part not in node:  # keys saved as str from ints (optimizer state indices)
+                key = next((k for k in node if str(k) == part), part)
+            node = node[key]
+        elif isinstance(node, (list, tuple)):
+            node = node[int(part)]
+        else:
+            raise KeyError(part)
+    return node
+
+
+def templates(saved: object, live: object) -> dict[str, torch.Tensor]:
+    """For each placeholder of ``saved``, an empty tensor laid out as the run's own at the same
+    place in ``live`` (the state the run would save now); CheckpointError where they differ."""
+    kind = _dtensor_type()
+    out: dict[str, torch.Tensor] = {}
+    for key, info in placeholders(saved).items():
+        try:
+            here = _at(live, key.split("/"))
+        except (KeyError, IndexError, ValueError):
+            raise CheckpointError(
+                f"the checkpoint holds the sharded tensor {key!r}, which this run does not: "
+                "build the same model, optimizer and EMA as the run that saved it"
+            ) from None
+        if not isinstance(here, torch.Tensor) or (kind is not None and not isinstance(here, kind)):
+            raise CheckpointError(
+                f"the checkpoint's {key!r} is sharded (saved from an FSDP2 model) but this run's "
+                "is not: shard the model as when saving (loopkit.distributed.wrap(model, fsdp=...))"
+            )
+        if list(here.shape) != list(info["shape"]) or str(here.dtype) != info["dtype"]:
+            raise CheckpointError(
+                f"the checkpoint's {key!r} is {tuple(info['shape'])} {info['dtype']} but this "
+                f"run's is {tuple(here.shape)} {here.dtype}: build the same model as when saving"
+            )
+        out[key] = torch.empty_like(here)
+    return out
+
+
+class _LaidOutAs(dict[str, torch.Tensor]):
+    """The state of a parameter the optimizer has not stepped yet: every entry laid out as it."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        super().__init__()
+        self.param = param
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        return self.param
+
+
+def with_parameter_layout(state: object, optimizer: torch.optim.Optimizer) -> object:
+    """An optimizer's ``state_dict()`` where each parameter without state yet (a run resumed
+    before its first step) offers the parameter's layout for its state's shards (Adam's
+    moments, momentum: tensors of the parameter's shape)."""
+    assert isinstance(state, dict)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param = dict(state.get("state", {}))
+    for index, param in enumerate(params):
+        per_param.setdefault(index, _LaidOutAs(param))
+    return {**state, "state": per_param}
+
+
+def filled(saved: object, tensors: dict[str, torch.Tensor]) -> object:
+    """``saved`` with each placeholder replaced by its tensor."""
+
+    def walk(node: object) -> object:
+        if _is_placeholder(node):
+            assert isinstance(node, dict)
+            return tensors[str(node[PLACEHOLDER])]
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            out = [walk(v) for v in node]
+            return out if isinstance(node, list) else tuple(out)
+        return node
+
+    return walk(saved)
+
+
+def read_shards(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Read the shards of ``tensors`` (by DCP key) from ``directory`` into them, resharded to
+    their layout; every rank calls it (a collective). A failure on any rank raises an
+    ``OSError`` on every rank (DCP's own exception derives from BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    if tensors:
+        try:
+            load(tensors, checkpoint_id=str(directory))
+        except CheckpointException as err:
+            raise OSError(f"reading the shards failed: {_first_failure(err)}") from err
+
+
+def _first_failure(err: BaseException) -> str:
+    """The first rank's failure in DCP's exception (which holds one per rank)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items())[0]
+        if isinstance(failure, tuple) and failure:  # (the exception, its frames)
+            failure = failure[0]
+        return f"rank {rank}: {failure!r}"[:400]
+    return repr(err)[:400]
+
+
+def write(state: dict[str, Any], path: Path) -> None:
+    """Write ``state`` as the directory checkpoint ``path``; every rank calls it.
+
+    The shards go to a temporary directory (its name agreed by every rank), rank zero adds
+    ``loop.pt`` once DCP's save has ended on every rank, then renames it to ``path``.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    loop, tensors = split(state)
+    rank = _ranks.world()[0]
+    name = f".{path.name}.tmp-{files.HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = path.with_name(str(_ranks.gather_objects(name)[0]))  # rank zero's name, for all
+    lock = None
+    if rank == 0:
+        tmp.mkdir(parents=True)
+        lock = files.hold(tmp)  # a clean-up of dead saves' temporaries leaves it alone
+    _ranks.barrier()
+    error: Exception | None = None
+    try:
+        try:
+            save(tensors, checkpoint_id=str(tmp))  # each rank its shards; a collective
+        except CheckpointException as err:  # a BaseException in DCP: every rank gets it
+            raise OSError(f"writing the shards failed: {_first_failure(err)}") from err
+        if rank == 0:
+            files.atomic_save(loop, tmp / LOOP_FILE)
+            os.replace(tmp, path)  # complete: it carries a checkpoint's name from now on
+            files.fsync_dir(path.parent)
+    except Exception as err:
+        error = err
+    finally:
+        if lock is not None:
+            os.close(lock)
+    failed = _ranks.gather_objects(None if error is None else repr(error))
+    if error is not None or any(f is not None for f in failed):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"a rank could not write its shards of the checkpoint: {failed}")
