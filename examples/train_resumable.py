@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ema", type=float, help="keep an EMA of the weights at this decay")
     parser.add_argument("--fsdp", action="store_true", help="shard the model (FSDP2) by layer")
     parser.add_argument("--replicate", type=int, help="with --fsdp: HSDP, this many replicas")
+    parser.add_argument("--async-save", action="store_true", help="write saves in background")
     args = parser.parse_args(argv)
 
     with distributed.setup():
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
             loader=loader,
             extra={"payload": Payload(args.payload_mb)},
             keep=2,
+            # A thread writes each save while training goes on (the loop waits only for the
+            # copy to host memory); the process group's teardown waits for the last one.
+            async_save=args.async_save,
         )
         validate = loopkit.cadence(step, per_epoch=args.val_per_epoch, loader=loader)
         early = None

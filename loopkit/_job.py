@@ -20,6 +20,7 @@ import datetime
 import functools
 import os
 import time
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -137,8 +138,31 @@ def setup(backend: str | None = None, *, timeout: datetime.timedelta | None = No
     return info()
 
 
+_BEFORE_TEARDOWN: list[weakref.WeakMethod[Callable[[], object]]] = []
+
+
+def before_teardown(method: Callable[[], object]) -> None:
+    """Call the bound ``method`` at the next ``teardown``, before the group goes (held weakly:
+    an object gone by then is skipped). A Checkpointer's background save finishes there."""
+    ref = weakref.WeakMethod(method)  # a bound method
+    if all(r() != method for r in _BEFORE_TEARDOWN):
+        _BEFORE_TEARDOWN.append(ref)
+
+
 def teardown() -> None:
-    """Leave the process group (after a barrier, so no rank exits while others still talk)."""
+    """Leave the process group (after a barrier, so no rank exits while others still talk).
+
+    What ``before_teardown`` registered runs first (a background save completes)."""
+    hooks = [h for h in (r() for r in _BEFORE_TEARDOWN) if h is not None]
+    _BEFORE_TEARDOWN.clear()
+    try:
+        for hook in hooks:
+            hook()
+    finally:
+        _leave_group()
+
+
+def _leave_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         if dist.get_backend() == "gloo":

@@ -22,11 +22,32 @@ def _seed() -> None:
 
 
 @pytest.fixture(scope="session")
-def dist_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every scenario of dist_worker.py, run once by two processes, for every test file."""
+def dist_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the 4-rank and the 2-rank workers write (the 4-rank's under ``four/``)."""
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="session")
+def dist4_results(dist_out: Path) -> dict[str, Any]:
+    """Every scenario of dist4_worker.py (HSDP on a 2x2 mesh), run once by four processes."""
     from helpers import launch_scenarios
 
-    return launch_scenarios("tests/dist_worker.py", tmp_path_factory.mktemp("dist"))
+    (dist_out / "four").mkdir()
+    return launch_scenarios("tests/dist4_worker.py", dist_out / "four", world=4)
+
+
+@pytest.fixture(scope="session")
+def dist_results(dist_out: Path, dist4_results: dict[str, Any]) -> dict[str, Any]:
+    """Every scenario of dist_worker.py, run once by two processes, for every test file.
+
+    Before it: the 4-rank worker, and a 1-process run stopped after a save, whose
+    checkpoints the 2-rank worker resumes (on another number of processes).
+    """
+    import elastic
+    from helpers import launch_scenarios
+
+    elastic.run(dist_out / "one" / "cut", stop=5)
+    return launch_scenarios("tests/dist_worker.py", dist_out)
 
 
 @pytest.fixture

@@ -590,12 +590,108 @@ def sharded_checkpoint(info: distributed.DistInfo) -> dict[str, Any]:
         damaged = str(err)
     older = sorted((root / "cut").glob("ckpt-*"))[-2]
     ckpt.resume(older)
+    # Each rank given a directory of its own: refused on every rank, nothing left behind.
+    own = root / f"own-{info.rank}"
+    blind = None
+    try:
+        loopkit.Checkpointer(own, model=ckpt.model).save()
+    except loopkit.CheckpointError as err:
+        blind = str(err)
     return {
+        "blind": blind, "left": sorted(p.name for p in own.iterdir()) if own.exists() else [],
         "same": same, "updates": (whole[2], resumed[2]), "lr_epochs": (whole[3], resumed[3]),
         "names": names_cut, "refused": refused, "unchanged": unchanged, "damaged": damaged,
         "exported": exported_ok,
         "older": older.name, "older_updates": ckpt.step.updates,
     }  # fmt: skip
+
+
+@scenario
+def world_change(info: distributed.DistInfo) -> dict[str, Any]:
+    """Runs on 2 ranks for the 1-process resumes of the pytest side (DDP and FSDP2: whole and
+    stopped at update 5, saved at 4); a 1-process checkpoint resumed here (grown, DDP) and
+    the 4-rank HSDP one resumed on FSDP2 (shrunk), each with reseed=True; the refusals."""
+    import sys
+    from pathlib import Path
+
+    import elastic
+
+    out = Path(sys.argv[1])
+    root = out / "elastic"
+    found: dict[str, Any] = {"root": str(root)}
+    for kind, fsdp in (("ddp", False), ("fsdp", True)):
+        found[f"{kind}_whole"] = elastic.run(root / f"{kind}_whole", fsdp=fsdp)
+        found[f"{kind}_cut"] = elastic.run(root / f"{kind}_cut", fsdp=fsdp, stop=5)
+    one = out / "one" / "cut"  # written by 1 process before this launch (conftest.py)
+    for name, how in (("refused", {}), ("other_batch", {"global_batch_size": 4, "reseed": True})):
+        parts = elastic.build(one, global_batch_size=how.get("global_batch_size", 8))
+        before = [p.detach().clone() for p in parts.model.parameters()]
+        try:
+            parts.ckpt.resume(reseed=how.get("reseed", False))
+            found[name] = None
+        except loopkit.CheckpointError as err:
+            found[name] = str(err)
+        found[name + "_unchanged"] = parts.step.updates == 0 and all(
+            torch.equal(a, p) for a, p in zip(before, parts.model.parameters(), strict=True)
+        )
+    found["grown"] = elastic.run(one, reseed=True)
+    found["shrunk"] = elastic.run(out / "four" / "hsdp" / "for_two", fsdp=True, reseed=True)
+    return found
+
+
+@scenario
+def sharded_async_save(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 saving in the background (DCP's async_save in a process group of its own):
+    bit-identical to saving synchronously, stopped at 5 and resumed too; each checkpoint's
+    exported weights and EMA equal the synchronous run's at that update."""
+    import sys
+    from pathlib import Path
+
+    import elastic
+
+    root = Path(sys.argv[1]) / "async"
+    sync = elastic.run(root / "sync", fsdp=True)
+    background = elastic.run(root / "async", fsdp=True, async_save=True)
+    elastic.run(root / "cut", fsdp=True, async_save=True, stop=5)
+    resumed = elastic.run(root / "cut", fsdp=True, async_save=True)
+    names = [p.name for p in sorted((root / "sync").glob("ckpt-*"))]
+    same_files = names == [p.name for p in sorted((root / "async").glob("ckpt-*"))]
+    if info.rank == 0:
+        for name in names:
+            for ema in (False, True):
+                a = loopkit.export_weights(root / "sync" / name, ema=ema)
+                b = loopkit.export_weights(root / "async" / name, ema=ema)
+                same_files &= a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return {
+        "names": names,
+        "same_files": same_files,
+        "same": [all(torch.equal(a, b) for a, b in zip(sync.weights + sync.ema,
+                                                       run.weights + run.ema, strict=True))
+                 for run in (background, resumed)],
+    }  # fmt: skip
+
+
+@scenario
+def fsdp2_evaluate(info: distributed.DistInfo) -> dict[str, Any]:
+    """evaluate under FSDP2 (13 samples, padded to 14 over 2 ranks): the sums of every
+    sample, pooled exactly; the 1-process reference is computed by the test."""
+    import elastic
+
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    model = distributed.wrap(net, fsdp=nn.Linear)
+    samples = elastic.Indexed(13)
+    data = torch.utils.data.TensorDataset(samples.x, samples.y)
+    loader = distributed.loader(data, batch_size=3, shuffle=True, num_workers=0)
+
+    def per_sample(m: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": torch.stack([nn.functional.mse_loss(m(x[i : i + 1]), y[i : i + 1])
+                                     for i in range(len(x))])}  # fmt: skip
+
+    result = loopkit.evaluate(model, loader, per_sample)
+    return {"sums": result.sums, "samples": result.samples, "weights": weights}
 
 
 @scenario

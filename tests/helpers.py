@@ -114,7 +114,7 @@ def counted_ddp(model: nn.Module) -> tuple[nn.parallel.DistributedDataParallel, 
     return ddp, calls
 
 
-def run_scenarios(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
+def run_scenarios(scenarios: dict[str, Callable[..., dict[str, Any]]], world: int = 2) -> None:
     """Body of a torchrun worker: run each scenario, save each rank's result to argv[1]."""
     import sys
     import traceback
@@ -127,7 +127,7 @@ def run_scenarios(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
     out = Path(sys.argv[1])
     names = sys.argv[2:] or list(scenarios)
     with distributed.setup() as info:
-        assert info.world_size == 2, info
+        assert info.world_size == world, info
         for name in names:
             try:
                 result = scenarios[name](info)
@@ -137,15 +137,16 @@ def run_scenarios(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
             dist.barrier()
 
 
-def launch_scenarios(worker: str, out: Any) -> dict[str, list[dict[str, Any]]]:
-    """Run ``worker`` (a tests/ script calling run_scenarios) under torchrun with 2 ranks.
+def launch_scenarios(worker: str, out: Any, world: int = 2) -> dict[str, list[dict[str, Any]]]:
+    """Run ``worker`` (a tests/ script calling run_scenarios) under torchrun with ``world`` ranks.
 
     Returns each scenario's per-rank results; a scenario that raised fails here.
     """
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(world)]  # fmt: skip
     proc = subprocess.run(
         [*cmd, worker, str(out)],
         cwd=ROOT,

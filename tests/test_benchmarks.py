@@ -158,3 +158,14 @@ def test_ema_cost_quick_counts_one_foreach_op_per_update() -> None:
         assert hand["ops_per_update"] == 3 * hand["tensors"]
         assert hand["average_dtype"] == by[(dtype, "AveragedModel")]["average_dtype"] == dtype
         assert by[(dtype, "loopkit.step(ema=) in training")]["update_us"] > 0
+
+
+def test_save_stall_benchmark_quick_rows() -> None:
+    """save_stall.py --quick: one row per mode; sync and async write the same bytes, as many
+    saves; no saves writes nothing (the stalls themselves are reported, never asserted)."""
+    rows = {r["mode"]: r for r in _json("benchmarks/save_stall.py", "--quick")}
+    assert set(rows) == {"no saves", "sync", "async"}
+    assert rows["no saves"]["saves"] == 0 and rows["no saves"]["checkpoint_mb"] == 0
+    assert rows["sync"]["saves"] == rows["async"]["saves"] == 2
+    assert rows["sync"]["checkpoint_mb"] == rows["async"]["checkpoint_mb"] > 0
+    assert rows["sync"]["stall_vs_sync"] == 1.0

@@ -351,7 +351,8 @@ def test_a_sharded_model_checkpoints_resumes_and_refuses_as_one_process(
 ) -> None:
     """FSDP2 on 2 ranks: checkpoints are directories of every rank's shards; a resumed run
     ends bit-identical (weights, EMA, scheduler); another model is refused before anything
-    loads; a newest checkpoint missing a rank's shards names the older one, which resumes."""
+    loads; a newest checkpoint missing a rank's shards names the older one, which resumes;
+    ranks given directories of their own are refused before any shard is written."""
     for r in dist_results["sharded_checkpoint"]:
         assert r["same"] and r["updates"] == (8, 8) and r["lr_epochs"][0] == r["lr_epochs"][1]
         assert r["names"] == ["ckpt-0000000003", "ckpt-0000000006", "ckpt-0000000008"]
@@ -359,3 +360,58 @@ def test_a_sharded_model_checkpoints_resumes_and_refuses_as_one_process(
         assert r["damaged"] is not None and "unreadable" in r["damaged"]
         assert r["older"] in r["damaged"] and r["older_updates"] == 6
         assert r["exported"]  # export_weights gathers the final weights and EMA in one process
+        # A directory per rank (not one they share): refused naming the fix, nothing left.
+        assert r["blind"] is not None and "rank(s) [1] do not see" in r["blind"]
+        assert "same directory on a filesystem they share" in r["blind"] and r["left"] == []
+
+
+def test_an_hsdp_model_checkpoints_and_resumes_bit_identically(dist4_results: Any) -> None:
+    """HSDP on a 2x2 mesh (replicate=2): a run stopped after its save at update 4 and resumed
+    by fresh objects ends bit-identical (weights, EMA, lr, norms); export_weights gathers
+    the final weights of every shard in one process."""
+    for r in dist4_results["hsdp_checkpoint"]:
+        assert r["mesh"] == ((2, 2), ("replicate", "shard"))
+        whole, resumed = r["whole"], r["resumed"]
+        assert resumed.resumed_from == "ckpt-0000000004" and resumed.updates == whole.updates
+        assert all(torch.equal(a, b) for a, b in zip(whole.weights, resumed.weights, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(whole.ema, resumed.ema, strict=True))
+        assert resumed.lr == whole.lr and resumed.norms == whole.norms[4:]
+    exported = dist4_results["hsdp_checkpoint"][0]["exported"]
+    whole = dist4_results["hsdp_checkpoint"][0]["whole"]
+    assert all(torch.equal(a, b) for a, b in zip(whole.weights, exported, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp2"])
+def test_evaluate_under_fsdp2_and_hsdp_equals_one_process_bit_for_bit(
+    dist4_results: Any, dist_results: Any, kind: str
+) -> None:
+    """13 samples over 4 HSDP ranks (padded to 16) or 2 FSDP2 ranks (padded to 14): every
+    rank gets the sums one process computes with the same weights, bit for bit."""
+    from torch import nn
+
+    ranks = (dist4_results if kind == "hsdp" else dist_results)[f"{kind}_evaluate"]
+    first = ranks[0]
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    model.load_state_dict(first["weights"])
+    import elastic
+
+    samples = elastic.Indexed(13)
+    data = torch.utils.data.TensorDataset(samples.x, samples.y)
+
+    def per_sample(m: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": torch.stack([nn.functional.mse_loss(m(x[i : i + 1]), y[i : i + 1])
+                                     for i in range(len(x))])}  # fmt: skip
+
+    one = loopkit.evaluate(model, torch.utils.data.DataLoader(data, batch_size=5), per_sample)
+    for r in ranks:
+        assert r["samples"] == 13 == one.samples
+        assert r["sums"] == one.sums and r.get("unchanged", True)
+
+
+def test_accumulation_under_hsdp_reduces_once_per_window(dist4_results: Any) -> None:
+    """accumulate=4, 8 micro-steps, 2 shard groups: 4 reduce-scatters (and 4 all-reduces
+    across the replicas), one per group per window; without accumulation 16 of each."""
+    for r in dist4_results["hsdp_collectives"]:
+        assert r[4] == {"reduce_scatter_single": 4, "all_reduce": 4, "updates": 2}
+        assert r[1] == {"reduce_scatter_single": 16, "all_reduce": 16, "updates": 8}

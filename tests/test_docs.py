@@ -77,8 +77,8 @@ def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path
     resumed: list[object] = []
     real_resume = loopkit.Checkpointer.resume
 
-    def spy(self: loopkit.Checkpointer, path: Any = None) -> Any:
-        resumed.append(real_resume(self, path))
+    def spy(self: loopkit.Checkpointer, path: Any = None, **kwargs: Any) -> Any:
+        resumed.append(real_resume(self, path, **kwargs))
         return resumed[-1]
 
     monkeypatch.setattr(loopkit.Checkpointer, "resume", spy)
@@ -93,7 +93,7 @@ def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert isinstance(net, torch.nn.Module)
         runs.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert len(resumed) == 6 and resumed == [None] * 6  # three blocks resume, in each run
+    assert len(resumed) == 8 and resumed == [None] * 8  # four blocks resume, in each run
 
 
 def _benchmarks_only(script: str) -> bool:

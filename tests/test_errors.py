@@ -514,6 +514,11 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "map-style dataset",
     ),
     ("wrap not a module", lambda t: distributed.wrap("model"), TypeError, "nn.Module"),
+    ("wrap replicate without fsdp", lambda t: distributed.wrap(mlp(), replicate=1), ValueError,
+     "give fsdp=BlockClass (or fsdp=True) too"),
+    ("wrap replicate not dividing the world",
+     lambda t: distributed.wrap(mlp(), fsdp=True, replicate=3), ValueError,
+     "does not divide the 1 processes"),
     # doctor
     (
         "doctor unknown phase",
@@ -559,6 +564,14 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "loopkit.step or loopkit.accumulate",
     ),
     ("maybe_save every 0", _maybe_save_zero, ValueError, "updates between saves"),
+    ("checkpointer async_save not a bool", lambda t: _checkpointer(t, async_save="yes"),
+     TypeError, "async_save must be True or False"),
+    ("checkpointer resume reseed not a bool", lambda t: _checkpointer(t).resume(reseed=1),
+     TypeError, "reseed must be True or False"),
+    ("export_weights ema not an index", lambda t: loopkit.export_weights(t / "c.pt", ema="x"),
+     TypeError, "ema must be False, True or the index"),
+    ("export_weights missing checkpoint", lambda t: loopkit.export_weights(t / "nope.pt"),
+     loopkit.CheckpointError, "no such checkpoint"),
     (
         "load missing file",
         lambda t: loopkit.load_checkpoint(t / "nope.pt"),
@@ -733,6 +746,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "cadence": "cadence",
         "evaluate": "evaluate",
         "preload": "preload",
+        "export_weights": "export_weights",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:

@@ -173,6 +173,26 @@ def saved_for(state: Mapping[str, object], name: str, piece: StatePiece) -> obje
     return states[rank]
 
 
+def spread(
+    pieces: Mapping[str, StatePiece], state: Mapping[str, object], world: int
+) -> dict[str, object]:
+    """``state`` as ``world`` ranks load it when another number of ranks saved it: each
+    per-rank piece's states replaced by its ``reseeded(states, world)`` (fresh streams)."""
+    out = dict(state)
+    for name, piece in pieces.items():
+        if not per_rank(piece) or name not in state:
+            continue
+        states = expect(state[name], (list, tuple), f"'{name}'")
+        reseeded = getattr(piece, "reseeded", None)
+        if not states or reseeded is None:
+            raise CheckpointError(
+                f"'{name}' holds one state per rank, which cannot be given to {world} ranks: "
+                f"resume with the {len(states)} processes that saved it"
+            )
+        out[name] = reseeded(states, world)
+    return out
+
+
 def check_all(
     pieces: Mapping[str, StatePiece],
     state: Mapping[str, object],

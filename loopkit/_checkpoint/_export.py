@@ -30,6 +30,11 @@ def export_weights(
     ``ema=True`` (or the index of one of a step's several averages): the average instead,
     its parameters and the buffers copied with it. A sharded checkpoint's tensors are
     gathered from every rank's shards in this one process."""
+    if not isinstance(ema, (bool, int)) or (not isinstance(ema, bool) and ema < 0):
+        raise TypeError(
+            f"ema must be False, True or the index (an int >= 0) of one of the averages, got "
+            f"{ema!r}"
+        )
     path = Path(checkpoint)
     state = files.load_checkpoint(path)
     chosen = _chosen(state, ema, path)
@@ -96,7 +101,8 @@ def _read_whole(path: Path, whole: dict[str, torch.Tensor]) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     try:
-        load(whole, checkpoint_id=str(path), no_dist=True)
+        with _sharded.single_process_read():
+            load(whole, checkpoint_id=str(path), no_dist=True)
     except CheckpointException as err:
         raise CheckpointError(f"{path}: unreadable (its shards are incomplete or corrupt)") from err
 

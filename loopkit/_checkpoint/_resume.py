@@ -17,7 +17,7 @@ from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
 from . import _sharded
-from ._contract import StatePiece, check_all, load_all, need
+from ._contract import StatePiece, check_all, load_all, need, spread
 from ._pieces import OptimizerState, StepsState, StepState
 
 BOOKKEEPING = ("format", "world_size", "saves")
@@ -31,21 +31,37 @@ _ALWAYS_SAVED = ("model", "optimizer_shapes", "extra", "rng")
 _LOADED_LAST = ("optimizer", "rng", "model")
 
 
-def check_file(pieces: Mapping[str, StatePiece], state: Mapping[str, object], path: Path) -> None:
-    """Raise CheckpointError if ``state`` cannot be loaded into this run; changes nothing."""
+def check_file(
+    pieces: Mapping[str, StatePiece], state: Mapping[str, object], path: Path, reseed: bool = False
+) -> Mapping[str, object]:
+    """``state`` as this run loads it; CheckpointError if it cannot be loaded; changes nothing.
+
+    Written by another number of processes, it is refused unless ``reseed``: then each
+    per-rank piece (the RNG states) gets fresh streams and the pieces whose state depends on
+    the number of ranks (the loader's place, the log's interval) judge the change themselves.
+    """
     try:
         world = _ranks.world()[1]
         saved_world = need(state, "world_size", int, "'world_size'")
+        if saved_world < 1:
+            raise CheckpointError(f"damaged checkpoint: 'world_size' is {saved_world}")
         if saved_world != world:
-            raise CheckpointError(
-                f"written by {saved_world} process(es), resumed by {world}: resume with "
-                "the same number of processes (the data shards and RNG streams depend on it)"
-            )
+            if not reseed:
+                raise CheckpointError(
+                    f"written by {saved_world} process(es), resumed by {world}: each rank's "
+                    "random streams (dropout, random augmentation) cannot carry over to "
+                    "another number of processes. Resume with ckpt.resume(reseed=True) to "
+                    "continue the data where it stopped with fresh streams drawn from the "
+                    f"checkpoint (the loader needs the same global_batch_size), or with "
+                    f"{saved_world} process(es) to continue bit for bit"
+                )
+            state = spread(pieces, state, world)
         if need(state, "saves", int, "'saves'") < 0:
             raise CheckpointError("damaged checkpoint: 'saves' is negative")
         check_all(pieces, state, bookkeeping=BOOKKEEPING, always_saved=_ALWAYS_SAVED)
     except CheckpointError as err:  # said without the file: name it
         raise CheckpointError(f"{path}: {err}") from err.__cause__
+    return state
 
 
 def load_file(pieces: Mapping[str, StatePiece], state: Mapping[str, object], path: Path) -> None:
@@ -112,6 +128,7 @@ def read_agreed(
     pieces: Mapping[str, StatePiece],
     older: Sequence[Path] = (),
     sharded: bool = False,
+    reseed: bool = False,
 ) -> tuple[Mapping[str, object], files.Moves]:
     """``target``'s checked state (empty for None) once every rank could resume from it.
 
@@ -120,6 +137,7 @@ def read_agreed(
     with nothing moved; when ``target`` is the newest and unreadable, the error names the
     ``older`` checkpoints that a resume by path can use. ``sharded``: the run's model is
     sharded (the same on every rank): its shards are read once every rank found the file fits.
+    ``reseed``: a file written by another number of processes is resumed (``check_file``).
     """
     error: Exception | None = None
     moved: files.Moves = []
@@ -128,16 +146,23 @@ def read_agreed(
     try:
         if target is not None:
             state = files.load_checkpoint(target)
-            if sharded:  # checked against the run's own tensors before any shard is read
+            if sharded and not _sharded.placeholders(state):
+                raise CheckpointError(
+                    f"{target}: saved from a model that was not sharded, but this run's is "
+                    "(FSDP2): resume with the model wrapped as when saving, or load the "
+                    "weights (loopkit.export_weights) into the model before sharding it"
+                )
+            if _sharded.placeholders(state):  # checked before any shard is read
                 try:
                     shards = _sharded.templates(state, _live(pieces, state))
                 except CheckpointError as err:  # said without the file: name it
                     raise CheckpointError(f"{target}: {err}") from err
     except Exception as err:
         error = _as_checkpoint_error(err, target)
-    if sharded and target is not None:
+    if target is not None and (sharded or target.is_dir()):
         # Reading the shards is a collective: every rank must have read loop.pt and found
-        # it fits before any rank starts (one host-level exchange).
+        # it fits before any rank starts (one host-level exchange). A directory is a sharded
+        # save, whatever this run's model (decided alike on every rank: the same path).
         error = agreed(target, _naming_older(error, directory, older))
         if error is not None:
             raise error
@@ -150,7 +175,7 @@ def read_agreed(
             error.__cause__ = err
     try:
         if target is not None and error is None:
-            check_file(pieces, state, target)
+            state = check_file(pieces, state, target, reseed)
             if _ranks.world()[0] == 0:
                 moved = files.abandon_newer(directory, target, number_of(pieces, state))
     except Exception as err:

@@ -7,8 +7,9 @@ save, and a resume gives each rank its own back.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TypedDict
 
 import numpy as np
@@ -118,8 +119,38 @@ def check(rng: object, rank: int) -> None:
             )
 
 
+def reseeded(saved: Sequence[RngState], world: int) -> list[RngState]:
+    """Fresh RNG states for ``world`` ranks, drawn from a checkpoint's (a resume on another
+    number of processes, where each saved rank's streams have no rank to go to).
+
+    Deterministic: the same checkpoint resumed on the same number of processes gives every
+    rank the same streams, and no two ranks share one.
+    """
+    origin = hashlib.sha256(saved[0]["torch"].numpy().tobytes()).digest()
+    states: list[RngState] = []
+    for rank in range(world):
+        seed = int.from_bytes(
+            hashlib.sha256(origin + f"{rank}/{world}".encode()).digest()[:8], "little"
+        )
+        np_state = np.random.RandomState(seed % 2**32).get_state()
+        assert isinstance(np_state, tuple)
+        state: RngState = {
+            "python": random.Random(seed).getstate(),
+            "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+            "torch": torch.Generator().manual_seed(seed).get_state(),
+        }
+        if "cuda" in saved[0]:
+            state["cuda"] = [
+                torch.Generator(device=f"cuda:{i}").manual_seed(seed + i).get_state()
+                for i in range(len(saved[0]["cuda"]))
+            ]
+        states.append(state)
+    return states
+
+
 class RngStates:
-    """The RNG states piece: per rank, so the Checkpointer gathers it on save."""
+    """The RNG states piece: per rank, so the Checkpointer gathers it on save; a resume on
+    another number of processes gives each rank fresh streams (``reseeded``)."""
 
     per_rank = True
 
@@ -137,3 +168,9 @@ class RngStates:
 
     def restore(self, snapshot: RngState) -> None:
         put_back(snapshot)
+
+    def reseeded(self, saved: Sequence[object], world: int) -> list[RngState]:
+        """Every rank's state for a resume on ``world`` processes (checked first)."""
+        for rank, state in enumerate(saved):
+            check(state, rank)
+        return reseeded(saved, world)  # type: ignore[arg-type]  # checked just above

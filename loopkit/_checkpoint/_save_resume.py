@@ -31,6 +31,7 @@ from .._step import _accumulate, _compose, _group, _misuse
 from .._types import Clock, Stateful
 from . import _files as files
 from . import _sharded
+from ._background import Background, staged
 from ._contract import StatePiece, need, per_rank
 from ._deferred import DeferredSave
 from ._pieces import LoaderState, StepsState, StepState, pieces_for
@@ -56,6 +57,10 @@ class Checkpointer:
     ``save()`` after the loop to keep the final state. ``resume(older_path)`` starts a new
     lineage: newer checkpoints move to ``abandoned-<update>-<time>/``, never resumed from.
 
+    ``async_save=True``: a save copies the state to host memory and returns; a thread
+    writes it (a sharded model's through DCP's ``async_save``) and renames it once complete.
+    The next save, a resume, ``wait()`` and ``loopkit.distributed.teardown`` wait for it.
+
     ``pieces`` maps each file key to the piece that saves and restores it. An object in
     ``extra=`` that has ``check_state_dict``, ``snapshot`` and ``restore`` besides
     ``state_dict``/``load_state_dict`` is such a piece: its checks run before anything loads.
@@ -73,6 +78,7 @@ class Checkpointer:
         loader: EpochLoader | None = None,
         extra: Mapping[str, Stateful] | None = None,
         keep: int = 3,
+        async_save: bool = False,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
@@ -82,6 +88,8 @@ class Checkpointer:
         )
         if not is_int_at_least(keep, 1):
             raise ValueError(f"keep must be an int >= 1 (checkpoints kept on disk), got {keep!r}")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}")
         self.directory = Path(directory)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.step, self.amp, self.loader, self.extra = step, amp, loader, extra
@@ -93,6 +101,7 @@ class Checkpointer:
         stepper = self.pieces.get("step")
         self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
         self._used = False  # a save or a resume happened: the set of pieces is fixed
+        self._background = Background() if async_save else None
 
     def check_can_add(self, name: str, piece: object) -> None:
         """Raise what ``add(name, piece)`` would raise; changes nothing."""
@@ -120,12 +129,8 @@ class Checkpointer:
         return self._acc
 
     def ends_pass(self) -> bool:
-        """Whether the boundary just reached ends a pass of ``loader=`` (False without it).
-
-        The same with or without ``step=``: the loader's batches handed out, less those a
-        step's ``iterate`` holds back, have reached the pass's length. The epoch's own code
-        (after its last window) has not run yet.
-        """
+        """Whether the boundary just reached ends a pass of ``loader=`` (False without it):
+        the batches handed out, less those ``iterate`` holds back, reach the pass's length."""
         return self._deferred.pass_is_over(self._acc.lookahead if self._acc is not None else 0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -152,7 +157,11 @@ class Checkpointer:
         """Write a checkpoint now; returns its path on rank zero (None on other ranks).
 
         Also writes (and so cancels) a save that ``maybe_save`` deferred to the next pass.
+        With ``async_save=True`` it returns once the state is copied to host memory, and a
+        thread writes it (the path is complete after ``wait()``); a save still in flight is
+        finished first.
         """
+        self.wait()
         state = self.state_dict()
         self._used = True
         state["saves"] = self._saves + 1
@@ -160,7 +169,7 @@ class Checkpointer:
             if per_rank(piece):
                 state[name] = _ranks.gather_objects(piece.state_dict())  # a host-level collective
         number = self._updates() if self.step is not None else self._saves + 1
-        path, error = _write(state, self.directory, number, self.keep)
+        path, error = _write(state, self.directory, number, self.keep, self._background)
         # Every rank learns whether the file was written (no rank may read or prune before
         # it is complete, and none goes on as if it were saved when it is not).
         failed = _ranks.gather_objects(None if error is None else repr(error))[0]
@@ -240,14 +249,34 @@ class Checkpointer:
         self._saved_windows = self._windows_closed()
         self._deferred.cancel()
 
+    def wait(self) -> None:
+        """Wait until the background save in flight is on disk (every rank calls it; so does
+        ``distributed.teardown``); raise on every rank if any rank's part failed."""
+        if self._background is None:
+            return
+        try:
+            self._background.finish()
+        except BaseException:
+            self.last_saved_update, self._saved_windows = None, None
+            raise
+
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints of the current lineage in the directory, oldest first."""
         return files.checkpoints(self.directory)
 
     # -- reading ------------------------------------------------------------------------------
 
-    def resume(self, path: str | os.PathLike[str] | None = None) -> Path | None:
+    def resume(
+        self, path: str | os.PathLike[str] | None = None, *, reseed: bool = False
+    ) -> Path | None:
         """Restore the newest checkpoint (or ``path``); None if there is none yet.
+
+        ``reseed=True`` resumes a checkpoint written by another number of processes: the
+        model, optimizer, EMA and counters carry over (a sharded model is resharded), the
+        loader continues its pass where the run stopped (it needs the same
+        ``global_batch_size``), and each rank's RNG streams start afresh from seeds drawn
+        from the checkpoint. Without it such a checkpoint is refused; on the same number of
+        processes it changes nothing.
 
         The checkpoint is checked against this run first; a resume that raises leaves
         every object, the RNG states and the directory as they were. Under DDP every rank
@@ -255,32 +284,40 @@ class Checkpointer:
         than the newest in the directory starts a new lineage: the newer ones are moved to
         an ``abandoned-<update>-<time>/`` subdirectory.
         """
-        acc = self._acc
-        if acc is not None and acc.settle():
-            raise RuntimeError(
-                f"resume() in the middle of an accumulation window ({acc.micro_step} of "
-                f"{acc.every} micro-steps done): call it before the training loop"
-            )
-        self._used = True  # even a refused resume: pieces added now would miss its checks
-        found = self.checkpoints() if path is None else []
-        target = (found[-1] if found else None) if path is None else Path(path)
-        sharded = _sharded.is_sharded(self.model)
-        state, moved = read_agreed(self.directory, target, self.pieces, older=found[:-1],
-                                   sharded=sharded)  # fmt: skip
-        if _ranks.world()[0] == 0:
-            files.remove_stale_temporaries(self.directory)  # a crashed save's leftovers
-        if target is None:
-            return None
-        try:
-            # Checked on every rank: loading fails now only where user code (a hook, an
-            # extra's load_state_dict) raises, and then everything loaded is put back.
-            load_file(self.pieces, state, target)
-        except BaseException:
-            files.move_back(moved)
-            raise
-        _misuse.resumed()  # schedulers moved by a load, not stepped: no step's guard objects
-        self._count_saved(need(state, "saves", int, "'saves'"))
-        return target
+        return _resumed(self, None if path is None else Path(path), reseed)
+
+
+def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None:
+    """``Checkpointer.resume``: checked, agreed by every rank, then loaded."""
+    acc = ckpt._acc
+    if acc is not None and acc.settle():
+        raise RuntimeError(
+            f"resume() in the middle of an accumulation window ({acc.micro_step} of "
+            f"{acc.every} micro-steps done): call it before the training loop"
+        )
+    if not isinstance(reseed, bool):
+        raise TypeError(f"reseed must be True or False, got {reseed!r}")
+    ckpt.wait()  # a save in flight is what a resume must find
+    ckpt._used = True  # even a refused resume: pieces added now would miss its checks
+    found = ckpt.checkpoints() if path is None else []
+    target = (found[-1] if found else None) if path is None else path
+    sharded = _sharded.is_sharded(ckpt.model)
+    state, moved = read_agreed(ckpt.directory, target, ckpt.pieces, older=found[:-1],
+                               sharded=sharded, reseed=reseed)  # fmt: skip
+    if _ranks.world()[0] == 0:
+        files.remove_stale_temporaries(ckpt.directory)  # a crashed save's leftovers
+    if target is None:
+        return None
+    try:
+        # Checked on every rank: loading fails now only where user code (a hook, an
+        # extra's load_state_dict) raises, and then everything loaded is put back.
+        load_file(ckpt.pieces, state, target)
+    except BaseException:
+        files.move_back(moved)
+        raise
+    _misuse.resumed()  # schedulers moved by a load, not stepped: no step's guard objects
+    ckpt._count_saved(need(state, "saves", int, "'saves'"))
+    return target
 
 
 def _check_can_add(pieces: Mapping[str, StatePiece], used: bool, name: str, piece: object) -> None:
@@ -319,23 +356,33 @@ def _written_before_epoch_code(ckpt: Checkpointer) -> Path | None:
 
 
 def _write(
-    state: dict[str, Any], directory: Path, number: int, keep: int
+    state: dict[str, Any], directory: Path, number: int, keep: int, background: Background | None
 ) -> tuple[Path | None, Exception | None]:
     """Write checkpoint ``number`` and prune to ``keep``; the path on rank zero (None on the
     others) and rank zero's error. A sharded model's state: every rank writes its shards (a
-    collective, which raises on every rank alike when a rank cannot write its part)."""
+    collective, which raises on every rank alike when a rank cannot write its part). With
+    ``background``: staged now, written by its thread (every rank starts one, so every rank
+    waits for it alike)."""
     rank = _ranks.world()[0]
-    path = None
     if _sharded.holds_shards(state):
         where = files.path_for(directory, number, sharded=True)
-        _sharded.write(state, where)
-        path = where if rank == 0 else None
+        _sharded.write(state, where, background, lambda: files.prune(directory, keep))
+        return (where if rank == 0 else None), None
+    path = files.path_for(directory, number)
+    if background is not None:
+        copy = staged(state) if rank == 0 else None
+
+        def write() -> None:
+            if rank == 0:
+                files.atomic_save(copy, path)
+                files.prune(directory, keep)
+
+        background.start(path.name, write)
+        return (path if rank == 0 else None), None
     if rank != 0:
         return None, None
     try:
-        if path is None:
-            path = files.path_for(directory, number)
-            files.atomic_save(state, path)
+        files.atomic_save(state, path)
         files.prune(directory, keep)
     except Exception as err:
         return path, err

@@ -19,10 +19,12 @@ store are never read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
+from ._background import Background, staged
 
 PLACEHOLDER = "__loopkit_dcp__"
 """The key of a placeholder in ``loop.pt``: the DCP key of the tensor it stands for."""
@@ -132,8 +135,11 @@ def _at(node: object, path: list[str]) -> object:
 
 def templates(saved: object, live: object) -> dict[str, torch.Tensor]:
     """For each placeholder of ``saved``, an empty tensor laid out as the run's own at the same
-    place in ``live`` (the state the run would save now); CheckpointError where they differ."""
-    kind = _dtensor_type()
+    place in ``live`` (the state the run would save now); CheckpointError where they differ.
+
+    The run's tensor may be sharded otherwise (another mesh or number of ranks: DCP
+    reshards) or not at all (a whole tensor on each rank: DCP reads every shard into it).
+    """
     out: dict[str, torch.Tensor] = {}
     for key, info in placeholders(saved).items():
         try:
@@ -143,10 +149,10 @@ def templates(saved: object, live: object) -> dict[str, torch.Tensor]:
                 f"the checkpoint holds the sharded tensor {key!r}, which this run does not: "
                 "build the same model, optimizer and EMA as the run that saved it"
             ) from None
-        if not isinstance(here, torch.Tensor) or (kind is not None and not isinstance(here, kind)):
+        if not isinstance(here, torch.Tensor):
             raise CheckpointError(
-                f"the checkpoint's {key!r} is sharded (saved from an FSDP2 model) but this run's "
-                "is not: shard the model as when saving (loopkit.distributed.wrap(model, fsdp=...))"
+                f"the checkpoint's {key!r} is a tensor (sharded, from an FSDP2 model) but this "
+                f"run's is a {type(here).__name__}: build the same objects as when saving"
             )
         if list(here.shape) != list(info["shape"]) or str(here.dtype) != info["dtype"]:
             raise CheckpointError(
@@ -206,9 +212,19 @@ def read_shards(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 
     if tensors:
         try:
-            load(tensors, checkpoint_id=str(directory))
+            # No process group (a resume on one process): read every shard here.
+            with single_process_read():
+                load(tensors, checkpoint_id=str(directory), no_dist=not _ranks.initialized())
         except CheckpointException as err:
             raise OSError(f"reading the shards failed: {_first_failure(err)}") from err
+
+
+@contextlib.contextmanager
+def single_process_read() -> Iterator[None]:
+    """DCP reading without a process group, which it warns of: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
 
 def _first_failure(err: BaseException) -> str:
@@ -222,14 +238,22 @@ def _first_failure(err: BaseException) -> str:
     return repr(err)[:400]
 
 
-def write(state: dict[str, Any], path: Path) -> None:
+def write(
+    state: dict[str, Any],
+    path: Path,
+    background: Background | None = None,
+    prune: Callable[[], None] = lambda: None,
+) -> None:
     """Write ``state`` as the directory checkpoint ``path``; every rank calls it.
 
-    The shards go to a temporary directory (its name agreed by every rank), rank zero adds
-    ``loop.pt`` once DCP's save has ended on every rank, then renames it to ``path``.
+    The shards go to a temporary directory (its name agreed by every rank); once DCP's save
+    has ended on every rank, rank zero adds ``loop.pt``, renames it to ``path`` and calls
+    ``prune``. With ``background``: DCP stages the shards now (``async_save``, in the
+    background's own process group) and the writes, the rename and ``prune`` run on its
+    thread; a failure is raised by its ``finish``.
     """
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_saver import save
+    from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
     loop, tensors = split(state)
     rank = _ranks.world()[0]
@@ -239,26 +263,53 @@ def write(state: dict[str, Any], path: Path) -> None:
     if rank == 0:
         tmp.mkdir(parents=True)
         lock = files.hold(tmp)  # a clean-up of dead saves' temporaries leaves it alone
-    _ranks.barrier()
-    error: Exception | None = None
-    try:
-        try:
-            save(tensors, checkpoint_id=str(tmp))  # each rank its shards; a collective
-        except CheckpointException as err:  # a BaseException in DCP: every rank gets it
-            raise OSError(f"writing the shards failed: {_first_failure(err)}") from err
-        if rank == 0:
-            files.atomic_save(loop, tmp / LOOP_FILE)
-            os.replace(tmp, path)  # complete: it carries a checkpoint's name from now on
-            files.fsync_dir(path.parent)
-    except Exception as err:
-        error = err
-    finally:
+    _ranks.barrier()  # made before any rank looks for it
+    # Every rank must write into the directory rank zero made: one path, one filesystem.
+    looked = _ranks.gather_objects((str(tmp.parent), tmp.is_dir()))
+    blind = [r for r, (_, seen) in enumerate(looked) if not seen]
+    if blind:
         if lock is not None:
             os.close(lock)
-    failed = _ranks.gather_objects(None if error is None else repr(error))
-    if error is not None or any(f is not None for f in failed):
-        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error
+        raise CheckpointError(
+            f"rank(s) {blind} do not see {looked[0][0]}/ as rank 0 does (another directory, or "
+            "a disk of their own): every rank writes its shards into one checkpoint, so give "
+            "every rank the same directory on a filesystem they share"
+        )
+
+    def complete(wait: Callable[[], object]) -> None:
+        """The shards written (``wait``), then ``loop.pt`` and the rename on rank zero."""
+        try:
+            try:
+                wait()
+            except CheckpointException as err:  # a BaseException in DCP: every rank gets it
+                raise OSError(f"writing the shards failed: {_first_failure(err)}") from err
+            if rank == 0:
+                files.atomic_save(loop, tmp / LOOP_FILE)
+                os.replace(tmp, path)  # complete: it carries a checkpoint's name from now on
+                files.fsync_dir(path.parent)
+                prune()
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+    if background is not None:
+        group = background.group()
+        loop = staged(loop)  # training goes on: the thread writes this copy
+        future = async_save(tensors, checkpoint_id=str(tmp), process_group=group)
+        background.start(path.name, lambda: complete(future.result))  # type: ignore[union-attr]
+        return
+    error: Exception | None = None
+    try:
+        complete(lambda: save(tensors, checkpoint_id=str(tmp)))  # a collective
+    except Exception as err:
+        error = err
+    failed = _ranks.gather_objects(None if error is None else repr(error))
+    if error is not None:
+        raise error
+    if any(f is not None for f in failed):
         raise RuntimeError(f"a rank could not write its shards of the checkpoint: {failed}")

@@ -136,8 +136,9 @@ def loader(
     else:
         base = None
     batches = KeyedBatches(
-        base, len(dataset), batch_size, drop_last, seed, here.rank, shuffle=bool(shuffle)
-    )
+        base, len(dataset), batch_size, drop_last, seed, here.rank, shuffle=bool(shuffle),
+        world_size=here.world_size,
+    )  # fmt: skip
     # The generator only seeds the workers' own streams now (each batch is reseeded).
     generator = torch.Generator().manual_seed(torch_seed(seed * 1000 + here.rank))
     fetched = (

@@ -116,9 +116,11 @@ class EpochLoader:
         after it: a resume runs that epoch again with no batch left (so its code runs),
         where a finished pass otherwise resumes at the next epoch.
 
-        Also records the data set's length, the batch size, the batches per pass, the seed
-        and whether it shuffles, so a resume with other data, or mid-pass with another
-        order, is refused instead of repeating some samples and skipping others.
+        Also records the data set's length, the batch size, the batches per pass, the seed,
+        whether it shuffles, the number of processes and ``drop_last``, so a resume with
+        other data, or mid-pass with another order, is refused instead of repeating some
+        samples and skipping others. A resume on another number of processes continues the
+        pass with the same global batches (``resharded``).
         """
         p = self._progress
         position = p.position if consumed is None else consumed
@@ -132,6 +134,8 @@ class EpochLoader:
             "batches": len(self.loader),
             "seed": self.batches.seed,
             "shuffle": self.batches.shuffle,
+            "world_size": self.batches.world_size,
+            "drop_last": self.batches.drop_last,
         }
         if epoch_open and position >= len(self.loader):
             state["epoch_open"] = True
@@ -169,13 +173,16 @@ class EpochLoader:
                 f"saved with {state['dataset_length']}: resuming would repeat some samples and "
                 "skip others; resume with the data set the run was saved with"
             )
-        if state["batch_size"] != self.batches.batch_size:
+        saved_world = state.get("world_size", self.batches.world_size)
+        if saved_world != self.batches.world_size:
+            resharded(state, self.batches, len(self.loader))
+        elif state["batch_size"] != self.batches.batch_size:
             raise ValueError(
                 f"the loader's batch size is {self.batches.batch_size} but the state was saved "
                 f"with {state['batch_size']}: build the loader with the same batch size"
             )
         here = (self.batches.samples, len(self.loader))
-        if (state["samples"], state["batches"]) != here:
+        if saved_world == self.batches.world_size and (state["samples"], state["batches"]) != here:
             raise ValueError(
                 f"this loader's pass has {here[0]} samples in {here[1]} batches but the state "
                 f"was saved from one with {state['samples']} in {state['batches']}: resume with "
@@ -269,3 +276,63 @@ class EpochLoader:
     def batch_size(self) -> int:
         """Samples per batch on this rank."""
         return self.batches.batch_size
+
+
+def resharded(state: Mapping[str, Any], here: KeyedBatches, batches: int) -> None:
+    """Raise ValueError unless a pass saved by another number of processes continues here
+    with the same global batches (``batches``: this loader's per pass).
+
+    Batch ``i`` of a pass, taken on every rank together, is the permutation's samples
+    ``[i * G, (i + 1) * G)`` for the global batch ``G = batch_size * world_size`` (the
+    sampler deals rank ``r`` every ``world_size``-th sample from ``r``; the permutation
+    depends on the seed and epoch only). So with the same ``G`` the saved position, in
+    batches, is the same place in the pass on any number of processes, provided the pass
+    holds the same samples: with ``drop_last`` always (``n // G`` whole batches), without
+    it when both pad the data set to the same length (a multiple of each number of processes).
+    """
+    world = here.world_size
+    saved_world = state["world_size"]
+    if not is_int_at_least(saved_world, 1):
+        raise ValueError(
+            f"the loader state's 'world_size' must be an int >= 1, got {saved_world!r}"
+        )
+    if not is_int_at_least(state["batch_size"], 1):
+        raise ValueError(
+            f"the loader state's 'batch_size' must be an int >= 1, got {state['batch_size']!r}"
+        )
+    saved_global = state["batch_size"] * saved_world
+    if saved_global != here.batch_size * world:
+        raise ValueError(
+            f"the state was saved by {saved_world} process(es) with a global batch of "
+            f"{saved_global} samples ({state['batch_size']} each), but this loader's is "
+            f"{here.batch_size * world} ({here.batch_size} on each of {world}): build it with "
+            f"loopkit.distributed.loader(..., global_batch_size={saved_global}) so that the "
+            "rest of the pass takes every sample once"
+            + (
+                ""
+                if saved_global % world == 0
+                else f" (which needs a number of processes dividing {saved_global})"
+            )
+        )
+    drop_last = state.get("drop_last")
+    if drop_last is not here.drop_last:
+        raise ValueError(
+            f"the state was saved by {saved_world} process(es) with drop_last={drop_last!r}, "
+            f"this loader has drop_last={here.drop_last}: build it with the same drop_last "
+            "to resume on another number of processes"
+        )
+    padded = (state["samples"] * saved_world, here.samples * world)
+    if not drop_last and padded[0] != padded[1]:
+        n = here.dataset_length
+        raise ValueError(
+            f"a pass over {n} samples is padded to {padded[0]} by {saved_world} process(es) "
+            f"but to {padded[1]} by {world} (the sampler repeats samples to give each "
+            "process as many): the rest of the pass would hold other samples. Build the "
+            "loader with drop_last=True, or resume on a number of processes that pads as "
+            f"{saved_world} did (one dividing {n})"
+        )
+    if state["batches"] != batches:  # follows from the above; a damaged state otherwise
+        raise ValueError(
+            f"the state's pass has {state['batches']} batches but this loader's has "
+            f"{batches}: resume with the loader the run was saved with"
+        )

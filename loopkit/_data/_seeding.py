@@ -93,6 +93,7 @@ class KeyedBatches(Sampler[list[int]]):
         rank: int,
         *,
         shuffle: bool = True,
+        world_size: int = 1,
     ) -> None:
         self.base = base
         self.dataset_length = dataset_length
@@ -101,6 +102,9 @@ class KeyedBatches(Sampler[list[int]]):
         self.shuffle = shuffle
         """Whether the base sampler shuffles (the order then depends on ``seed``)."""
         self.seed, self.rank, self.epoch = seed, rank, 0
+        self.world_size = world_size
+        """The processes the data set is sharded over (a pass's batch ``i`` on every rank
+        together is the same ``batch_size * world_size`` samples whatever that number)."""
         self.skip = 0
 
     @property

@@ -12,6 +12,7 @@ resumes its own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from .._errors import CheckpointError
 from .._sync_points import expected_sync
 from ._delivery import Delivery
 from ._exchange import _moved
-from ._reductions import Value
+from ._reductions import HowOf, Value
 
 Pending = dict[str, list[Value]]
 """The values recorded since the last flush, by metric."""
@@ -42,6 +43,8 @@ class LogState:
     _values: Pending
     _restored: set[str]  # metrics whose values a resume put on the CPU
     _delivery: Delivery
+
+    _how: HowOf  # detach_logging's method: a metric's reduction
 
     def state_dict(self) -> dict[str, Any]:
         """The log-call count, the unflushed interval (the calls since the last flush and
@@ -77,7 +80,7 @@ class LogState:
         calls = state.get("calls") if isinstance(state, Mapping) else None
         if not isinstance(state, Mapping) or not is_int_at_least(calls, 0):
             raise ValueError(f"not a detach_logging state (no 'calls' count): {state!r}")
-        own = own_entry(state)
+        own = own_entry(state, self.sync_ranks, self._how)
         calls = own.get("calls", calls)
         if not is_int_at_least(calls, 0):
             raise ValueError(f"not a detach_logging state: this rank's 'calls' is {calls!r}")
@@ -118,20 +121,68 @@ def saved(calls: int, since_flush: int, values: Mapping[str, Sequence[Value]]) -
     return {"calls": calls, "since_flush": since_flush, "pending": pending}
 
 
-def own_entry(state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """This rank's part of a saved state: its entry of ``"ranks"`` if the state has one."""
+def own_entry(
+    state: Mapping[str, Any], sync_ranks: bool | None = True, how: HowOf = lambda _: "mean"
+) -> Mapping[str, Any]:
+    """This rank's part of a saved state: its entry of ``"ranks"`` if the state has one.
+
+    Saved by another number of ranks with ``sync_ranks=True`` (a resume on another number
+    of processes), the saved values are spread over the new ranks (``spread``) so the next
+    flush gives what the uninterrupted run would have, within rounding. With
+    ``sync_ranks=False`` each rank's values go to its own sinks, which no other number of
+    ranks can continue: refused.
+    """
     ranks = state.get("ranks")
-    if ranks is None or not _ranks.is_multi_rank():
+    if ranks is None:
         return state
     rank, world = _ranks.world()
-    if not isinstance(ranks, list) or len(ranks) != world or not isinstance(ranks[rank], Mapping):
-        count = len(ranks) if isinstance(ranks, list) else "?"
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, Mapping) for r in ranks):
+        raise ValueError(f"not a detach_logging state: its 'ranks' are {ranks!r}")
+    if len(ranks) == world:
+        entry: Mapping[str, Any] = ranks[rank]
+        return entry
+    if sync_ranks is not True:
         raise ValueError(
-            f"the log's state holds the unflushed values of {count} ranks but this job has "
-            f"{world}: resume with as many processes as the run that saved it"
+            f"the log's state holds the unflushed values of {len(ranks)} ranks, each for its "
+            f"own sinks (sync_ranks={sync_ranks}), but this job has {world}: resume with "
+            f"{len(ranks)} processes, or log with sync_ranks=True (one record of every rank's "
+            "values), which resumes on any number"
         )
-    entry: Mapping[str, Any] = ranks[rank]
-    return entry
+    pending = []
+    for r in ranks:
+        values = r.get("pending", {})
+        if not isinstance(values, Mapping):
+            raise ValueError(f"not a detach_logging state: 'pending' is {values!r}")
+        pending.append({str(k): _values(k, v) for k, v in values.items()})
+    return {**ranks[0], "pending": spread(pending, rank, how)}
+
+
+def spread(saved: Sequence[Mapping[str, list[Value]]], rank: int, how: HowOf) -> Pending:
+    """Rank ``rank``'s share of the unflushed values that other ranks saved, so that every
+    metric's next flush over the new ranks equals the old ranks' (pure: no exchange).
+
+    A cross-rank flush of ``mean`` (or ``last``) weighs every call alike when each rank logs
+    once a call: each new rank takes, per call, the mean of the old ranks' values of that
+    call. ``sum``, ``max`` and ``min`` of every value: rank zero takes them all. A metric not
+    logged once a call on every rank goes to rank zero whole (its mean weighs the old
+    ranks' calls by their number of values).
+    """
+    names = sorted({name for values in saved for name in values})
+    out: Pending = {}
+    for name in names:
+        lists = [values.get(name, []) for values in saved]
+        per_call = how(name) in ("mean", "last") and len({len(v) for v in lists}) == 1
+        if per_call:
+            out[name] = [_mean([v[i] for v in lists]) for i in range(len(lists[0]))]
+        elif rank == 0:
+            out[name] = [v for values in lists for v in values]
+    return {name: vals for name, vals in out.items() if vals}
+
+
+def _mean(values: list[Value]) -> Value:
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values]).mean()
+    return math.fsum(float(v) for v in values) / len(values)
 
 
 def checked(entry: Mapping[str, Any]) -> tuple[int, Pending]:

@@ -154,6 +154,12 @@ def _kill_ten_times(
     return torch.load(ref, weights_only=True), torch.load(final, weights_only=True)
 
 
+def _async_every_other(cmd: list[str], alternate: bool) -> Callable[[int], list[str]]:
+    """The command of each start: with ``alternate``, odd restarts save in the background
+    (the uninterrupted reference saves synchronously)."""
+    return lambda kill: [*cmd, "--async-save"] if alternate and kill % 2 else cmd
+
+
 def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -163,10 +169,13 @@ def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_
     """Killed 6 times (10 deep; every third mid-save) and resumed each time: the uninterrupted
     weights.
 
-    bf16 runs with an EMA of the weights (validated through swapped()): the average too."""
+    bf16 runs with an EMA of the weights (validated through swapped()): the average too;
+    every other restart of it saves in the background (--async-save), so kills land in the
+    middle of background writes too."""
     ema = ["--ema", "0.99"] if precision == "bf16" else []
     cmd = [sys.executable, *EXAMPLE, *EPOCHS, "--precision", precision, *ema]
-    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, f"kills-{precision}")
+    ref, final = _kill_ten_times(tmp_path, _async_every_other(cmd, precision == "bf16"),
+                                 f"kills-{precision}")  # fmt: skip
     assert _bit_equal(ref, final)
     assert any(k.startswith("ema.") for k in final) == bool(ema)
 
@@ -197,9 +206,58 @@ def test_random_augmentation_under_torchrun_resumes_bit_identically(tmp_path: Pa
 
 def test_a_sharded_model_killed_with_its_whole_job_resumes_bit_identically(tmp_path: Path) -> None:
     """FSDP2 on two ranks, each writing its shards of model, optimizer and EMA: the whole
-    process tree killed at random moments (every third mid-save), resumed each time: the
+    process tree killed at random moments (every third mid-save), resumed each time, every
+    other restart writing its shards in the background (DCP's async_save): the
     uninterrupted weights and average, gathered."""
     cmd = [*TORCHRUN, *EXAMPLE, *EPOCHS, "--fsdp", "--ema", "0.99"]
-    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-fsdp", kills=KILLS - 2)
+    ref, final = _kill_ten_times(tmp_path, _async_every_other(cmd, True), "kills-fsdp",
+                                 kills=KILLS - 2)  # fmt: skip
     assert _bit_equal(ref, final)
     assert any(k.startswith("ema.") for k in final)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's: its workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return sorted(found)
+
+
+def test_a_sharded_job_stopped_by_sigterm_saves_once_and_resumes_bit_identically(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 on two ranks saving in the background; SIGTERM to one worker after the first
+    save: torchrun exits 0, both ranks stopped at the same update and wrote one checkpoint
+    there (every rank's shards, complete before the job ended); run again, it ends with the
+    uninterrupted (synchronously saving) run's weights and average, bit for bit."""
+    cmd = [*TORCHRUN, *EXAMPLE, "--epochs", "2", "--fsdp", "--ema", "0.99", "--slow", "0.04"]
+    ref = tmp_path / "ref.pt"
+    _run([*cmd, "--dir", str(tmp_path / "ref_run"), "--out", str(ref)])
+    cmd.append("--async-save")  # the stop's save completes before the process group goes
+    run_dir = tmp_path / "run"
+    proc, lines, reader = _start([*cmd, "--dir", str(run_dir)])
+    deadline = time.monotonic() + 180
+    while not _names(run_dir) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before its first save: make it longer"
+    time.sleep(0.3)  # a few updates on: the stop falls after the last periodic save
+    first = _names(run_dir)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGTERM)  # one worker, as a scheduler preempting one node
+    assert proc.wait(timeout=120) == 0
+    reader.join(timeout=60)
+    stopped = [x for x in lines if "preempted at update" in x]
+    assert len(stopped) == 1 and "by SIGTERM: saved" in stopped[0], lines
+    update = int(stopped[0].split("preempted at update ")[1].split()[0])
+    name = f"ckpt-{update:010d}"
+    # The stop's save, unless a periodic save of that update came between.
+    assert name in _names(run_dir) and _names(run_dir) - first <= {name}, (first, update)
+    _all_checkpoints_readable(run_dir)
+    final = tmp_path / "final.pt"
+    _run([*cmd, "--dir", str(run_dir), "--out", str(final)])
+    assert _bit_equal(torch.load(ref, weights_only=True), torch.load(final, weights_only=True))

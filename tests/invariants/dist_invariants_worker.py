@@ -30,6 +30,7 @@ import inv_exactness
 import inv_loader
 import inv_loop_control
 import inv_micro_batch
+import inv_resume_sharded
 import torch
 import torch.distributed as dist
 
@@ -43,10 +44,14 @@ GROUPS: dict[str, tuple[Any, int, Check]] = {
     "loop_control": (inv_loop_control.scenarios(), 40, inv_loop_control.check_on_ranks),
     "loader": (inv_loader.scenarios(), 10, inv_loader.check_on_ranks),
     "micro_batch": (inv_micro_batch.scenarios(), 8, inv_micro_batch.check_on_ranks),
+    "resume_sharded": (inv_resume_sharded.scenarios(), 6, inv_resume_sharded.check_on_ranks),
 }
 
 # Examples every run checks first (known edge shapes), before the drawn ones.
-EXPLICIT: dict[str, list[Any]] = {"update": inv_exactness.EXPLICIT}
+EXPLICIT: dict[str, list[Any]] = {
+    "update": inv_exactness.EXPLICIT,
+    "resume_sharded": inv_resume_sharded.EXPLICIT,
+}
 MAX_FAILURES = 5
 REPLAY = (
     "PYTHONPATH=tests:tests/invariants OMP_NUM_THREADS=1 python -m torch.distributed.run "

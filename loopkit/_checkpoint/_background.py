@@ -1,0 +1,115 @@
+"""Saves written by a background thread, so the loop goes on while a checkpoint is written.
+
+A save first stages its state on the calling thread: every tensor copied to host memory
+(a sharded model's shards by ``torch.distributed.checkpoint.async_save``'s own stager).
+That copy is the loop's only stall; a thread then writes the copy under a temporary name
+and renames it once complete, so a kill mid-write leaves no file or directory carrying a
+checkpoint's name. One save at a time: the next save, a resume, ``Checkpointer.wait()`` and
+``loopkit.distributed.teardown`` first wait for the one in flight, and every rank learns
+whether every rank's part was written (one host-level exchange, on the calling thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _job, _ranks
+
+
+def staged(state: object) -> object:
+    """A copy of ``state`` that training cannot change: containers rebuilt, each tensor copied
+    to host memory (a DTensor left as it is: DCP stages its shards). A host-device sync for
+    device tensors (the copy must be complete before the thread reads it)."""
+    if isinstance(state, torch.Tensor):
+        if _is_dtensor(state):
+            return state
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        items = {k: staged(v) for k, v in state.items()}
+        return (
+            collections.OrderedDict(items) if isinstance(state, collections.OrderedDict) else items
+        )
+    if isinstance(state, list):
+        return [staged(v) for v in state]
+    if isinstance(state, tuple):
+        members = [staged(v) for v in state]
+        kind: Any = type(state)  # a namedtuple's class takes its fields one by one
+        return kind(*members) if hasattr(state, "_fields") else tuple(members)
+    if state is None or isinstance(state, (bool, int, float, str, bytes, torch.dtype)):
+        return state
+    return copy.deepcopy(state)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return False
+    return isinstance(t, DTensor)
+
+
+class Background:
+    """The one background save of a Checkpointer in flight, and the process group its
+    sharded writes talk in (not the training's: a collective on another thread would
+    interleave with the loop's)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._name = ""
+        self._group: Any = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save was started and not yet waited for."""
+        return self._thread is not None
+
+    def group(self) -> Any:
+        """The process group of the background writes (made on first use, on every rank:
+        a collective); None without one."""
+        if self._group is None and _ranks.initialized():
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def start(self, name: str, write: Callable[[], None]) -> None:
+        """Run ``write`` on a thread; what it raises is reported by ``finish``."""
+        assert self._thread is None, "finish() the save in flight first"
+        self._error, self._name = None, name
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as err:  # reported on the calling thread by finish()
+                self._error = err
+
+        # Not a daemon: an interpreter that exits waits for the write to complete.
+        self._thread = threading.Thread(target=run, name=f"loopkit save {name}", daemon=False)
+        self._thread.start()
+        _job.before_teardown(self.finish)
+
+    def finish(self) -> None:
+        """Wait for the save in flight (if any); raise on every rank if any rank's part of it
+        failed (one host-level exchange: every rank calls it)."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join()
+        self._thread = None
+        error = self._error
+        self._error = None
+        failed = _ranks.gather_objects(None if error is None else repr(error))
+        if error is not None:
+            raise RuntimeError(f"the background save of {self._name} failed: {error!r}") from error
+        for rank, said in enumerate(failed):
+            if said is not None:
+                raise RuntimeError(
+                    f"the background save of {self._name} failed on rank {rank}: {said}"
+                )
