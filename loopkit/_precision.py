@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -303,10 +303,19 @@ class autocast_step(EagerUnderCompile, contextlib.ContextDecorator):
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"step() takes torch.optim optimizers, got {type(opt).__name__}")
+        return self.step_each(optimizers, lambda opt: opt.step())
+
+    def step_each(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        run: Callable[[torch.optim.Optimizer], object],
+    ) -> bool:
+        """``step(*optimizers)``, each optimizer stepped by ``run(optimizer)`` (a compiled
+        step, for one)."""
         scaler = self.scaler
         if scaler is None:
             for opt in optimizers:
-                opt.step()
+                run(opt)
             return True
         self._require_scaled()
         for opt in optimizers:
@@ -320,7 +329,7 @@ class autocast_step(EagerUnderCompile, contextlib.ContextDecorator):
             if not skip:
                 # Gradients are unscaled and finite here, which is exactly the case where
                 # GradScaler.step would call optimizer.step() itself.
-                opt.step()
+                run(opt)
         scaler.update()
         self._scaled = False
         self._unscaled.clear()

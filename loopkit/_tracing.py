@@ -63,3 +63,52 @@ class EagerUnderCompile(abc.ABC):
         if torch.compiler.is_compiling():
             return eagerly(self._exit, exc_type, exc, tb)
         return self._exit(exc_type, exc, tb)
+
+
+class EagerStance:
+    """Compiled code runs eagerly while any EagerStance is entered (``set_stance``).
+
+    What counts ops (loopkit's host-sync counter, torch's FLOP counter) sees nothing inside
+    a compiled graph, and a first call of compiled code under such a mode makes dynamo
+    skip that code for the rest of the run: a step measured so must run eagerly instead.
+    Entered and left as one object (``__enter__`` in one call, ``__exit__`` in another);
+    several may be entered and left in any order (one count for the process: the stance
+    before the first is restored when the last leaves); free when dynamo is not loaded.
+    """
+
+    __slots__ = ("_entered",)
+    _open = 0  # entered EagerStances, all objects
+    _stance: Any = None  # the set_stance context the first one entered
+
+    def __init__(self) -> None:
+        self._entered = False
+
+    @staticmethod
+    def active() -> bool:
+        """Whether compiled code runs eagerly now (an EagerStance is entered)."""
+        return EagerStance._open > 0
+
+    def __enter__(self) -> None:
+        import sys
+
+        if self._entered or "torch._dynamo" not in sys.modules:
+            return
+        if torch.compiler.is_compiling():
+            return
+        cls = EagerStance
+        if cls._open == 0:
+            stance = torch.compiler.set_stance("force_eager")
+            stance.__enter__()
+            cls._stance = stance
+        cls._open += 1
+        self._entered = True
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._entered:
+            return
+        self._entered = False
+        cls = EagerStance
+        cls._open -= 1
+        if cls._open == 0:
+            stance, cls._stance = cls._stance, None
+            stance.__exit__(None, None, None)

@@ -671,6 +671,63 @@ def sharded_async_save(info: distributed.DistInfo) -> dict[str, Any]:
     }  # fmt: skip
 
 
+class _SlashNamed(nn.Module):
+    """Two Linears in a ModuleDict, one under a key holding '/' (as test_sharded_edges' Named)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.ModuleDict({"enc/0": nn.Linear(4, 8), "dec": nn.Linear(8, 2)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d["dec"](torch.tanh(self.d["enc/0"](x)))  # type: ignore[no-any-return]
+
+
+@scenario
+def sharded_edges(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 with '/' in keys (a ModuleDict's "enc/0", extra={"ema/teacher": ...}) and AdamW
+    under extra=: saved after 3 updates, ended after 5; fresh objects resume it and end the
+    same. The pytest side resumes its save, copied under another name, on one process."""
+    import sys
+    from pathlib import Path
+
+    root = Path(sys.argv[1]) / "sharded_edges"
+
+    def build() -> tuple[nn.Module, Any, Any, loopkit.Checkpointer]:
+        torch.manual_seed(0)
+        model = distributed.wrap(_SlashNamed(), fsdp=nn.Linear)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        average = loopkit.ema(model, decay=0.9)
+        step = loopkit.step(model, opt)
+        extra = {"ema/teacher": average, "opt": opt}
+        return model, step, average, loopkit.Checkpointer(root, model=model, step=step,
+                                                          extra=extra)  # fmt: skip
+
+    def train(model: nn.Module, step: Any, average: Any, first: int, n: int) -> None:
+        for i in range(first, first + n):  # update i: rows 6r..6r+5 of batch i on rank r
+            x = torch.randn(12, 4, generator=torch.Generator().manual_seed(i))
+            with step as s:
+                s.backward(model(x[6 * info.rank : 6 * info.rank + 6]).pow(2).mean())
+            average.update()
+
+    def whole(model: nn.Module, average: Any, opt: Any) -> list[torch.Tensor]:
+        moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        shadow = list(average.state_dict()["shadow"].values())
+        return [t.full_tensor() for t in (*model.parameters(), *shadow, *moments)]
+
+    model, step, average, ckpt = build()
+    train(model, step, average, 0, 3)
+    path = ckpt.save()
+    train(model, step, average, 3, 2)
+    ended = whole(model, average, step.optimizer)
+    model2, step2, average2, ckpt2 = build()
+    resumed = ckpt2.resume()
+    train(model2, step2, average2, 3, 2)
+    same = all(torch.equal(a, b) for a, b in
+               zip(ended, whole(model2, average2, step2.optimizer), strict=True))  # fmt: skip
+    return {"path": None if path is None else str(path), "ended": ended, "same": same,
+            "resumed": None if resumed is None else resumed.name}  # fmt: skip
+
+
 @scenario
 def fsdp2_evaluate(info: distributed.DistInfo) -> dict[str, Any]:
     """evaluate under FSDP2 (13 samples, padded to 14 over 2 ranks): the sums of every
@@ -744,6 +801,55 @@ def already_wrapped(info: distributed.DistInfo) -> dict[str, Any]:
     except ValueError as err:
         return {"error": str(err)}
     return {"error": None}
+
+
+def _compiled_run(model: nn.Module, rank: int) -> tuple[dict[str, torch.Tensor], int, int]:
+    """3 updates of accumulate=2 on this rank's batches: weights, graph breaks, graphs."""
+    import torch._dynamo
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
+
+    counters.clear()
+    clear_compilation_metrics()
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), accumulate=2)
+    for i, batch in enumerate(data([4] * 12, seed=7)):
+        if i % 2 == rank:
+            with step as s:
+                s.backward(loss_of(model, batch))
+    weights = {k: v.detach().clone() for k, v in unwrap_state(model).items()}
+    breaks = sum(counters["graph_break"].values())
+    graphs = len(get_compilation_metrics())
+    torch._dynamo.reset()
+    return weights, breaks, graphs
+
+
+def unwrap_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a DDP, FSDP2 or compiled model, by the plain model's keys."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k.replace("_orig_mod.", "").removeprefix("module."): v for k, v in state.items()}
+
+
+@scenario
+def compile_wrap_order(info: distributed.DistInfo) -> dict[str, Any]:
+    """wrap(compile=) under DDP (DDP(compile(m))) and FSDP2 (blocks compiled, then sharded):
+    graph breaks counted against torch.compile(DDP(m)); weights against eager."""
+    import warnings
+
+    eager = {"backend": "eager"}
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["ddp_eager"] = _compiled_run(distributed.wrap(mlp()), info.rank)
+        out["ddp_wrap"] = _compiled_run(distributed.wrap(mlp(), compile=eager), info.rank)
+        outside = torch.compile(distributed.wrap(mlp()), **eager)
+        out["ddp_outside"] = _compiled_run(outside, info.rank)
+        out["fsdp_eager"] = _compiled_run(distributed.wrap(mlp(), fsdp=nn.Linear), info.rank)
+        out["fsdp_wrap"] = _compiled_run(
+            distributed.wrap(mlp(), fsdp=nn.Linear, compile=eager), info.rank
+        )
+    out["warned"] = [str(w.message) for w in caught if "around its wrapper" in str(w.message)]
+    return out
 
 
 if __name__ == "__main__":

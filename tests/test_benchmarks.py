@@ -169,3 +169,19 @@ def test_save_stall_benchmark_quick_rows() -> None:
     assert rows["sync"]["saves"] == rows["async"]["saves"] == 2
     assert rows["sync"]["checkpoint_mb"] == rows["async"]["checkpoint_mb"] > 0
     assert rows["sync"]["stall_vs_sync"] == 1.0
+
+
+def test_compile_benchmark_quick_counts_graphs_breaks_and_recompiles() -> None:
+    """compile.py --quick (dynamo's graphs, the eager backend): loopkit + compile makes no
+    more graphs, breaks or recompiles than the hand loop around torch.compile (none of
+    either); the hand-compiled optimizer step recompiles on its float lr,
+    compile_optimizer=True does not (times are reported, never asserted)."""
+    rows = {r["contender"]: r for r in _json("benchmarks/compile.py", "--quick")}
+    hand, lk = rows["hand + compile"], rows["loopkit + compile"]
+    assert hand["graph_breaks"] == lk["graph_breaks"] == 0
+    assert lk["graphs"] <= hand["graphs"] and lk["recompiles"] <= hand["recompiles"]
+    assert any("['lr']" in r for r in rows["hand + compiled optimizer"]["recompile_reasons"])
+    assert not any("['lr']" in r for r in rows["loopkit + compile_optimizer"]["recompile_reasons"])
+    assert rows["loopkit + compile"]["recompiles_while_timed"] == 0
+    assert rows["loopkit + compile_optimizer"]["recompiles_while_timed"] == 0
+    assert all(r["us_per_micro_step"] > 0 for r in rows.values())

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ CHAIN = [
     "loop-control.md", "distributed.md", "preload.md", "guarantees.md", "performance.md",
     "development.md",
 ]  # fmt: skip
-ALONE = ["migrate/hand-loop.md", "migrate/accelerate.md", "trackers.md"]
+ALONE = ["migrate/hand-loop.md", "migrate/accelerate.md", "trackers.md", "compile.md"]
 NO_CODE = ["api.md"]
 
 
@@ -60,6 +61,14 @@ def test_the_site_builds_with_no_warning(tmp_path: Path) -> None:
         assert f'id="{name}"' in api, name
 
 
+def _namespace() -> dict[str, object]:
+    """A fresh module ``__docs__``'s globals, registered (torch.compile imports a function's
+    module by name to read its globals)."""
+    module = types.ModuleType("__docs__")
+    sys.modules["__docs__"] = module
+    return vars(module)
+
+
 def _run_python(pages: list[str], namespace: dict[str, object]) -> None:
     for page in pages:
         for i, (lang, body) in enumerate(_blocks(page)):
@@ -85,10 +94,10 @@ def test_python_blocks_run_twice_alike(monkeypatch: pytest.MonkeyPatch, tmp_path
     runs = []
     for _ in range(2):
         monkeypatch.chdir(tmp_path)
-        chain: dict[str, object] = {"__name__": "__docs__"}
+        chain = _namespace()
         _run_python(CHAIN, chain)
         for page in ALONE:
-            _run_python([page], {"__name__": "__docs__"})
+            _run_python([page], _namespace())
         net = chain["net"]
         assert isinstance(net, torch.nn.Module)
         runs.append([p.detach().clone() for p in net.parameters()])

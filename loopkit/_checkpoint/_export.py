@@ -30,10 +30,15 @@ def export_weights(
     ``ema=True`` (or the index of one of a step's several averages): the average instead,
     its parameters and the buffers copied with it. A sharded checkpoint's tensors are
     gathered from every rank's shards in this one process."""
-    if not isinstance(ema, (bool, int)) or (not isinstance(ema, bool) and ema < 0):
+    if not isinstance(ema, (bool, int)):
         raise TypeError(
             f"ema must be False, True or the index (an int >= 0) of one of the averages, got "
             f"{ema!r}"
+        )
+    if not isinstance(ema, bool) and ema < 0:
+        raise ValueError(
+            f"ema must be False, True or the index of one of the averages, counted from 0 (no "
+            f"negative index), got {ema!r}"
         )
     path = Path(checkpoint)
     state = files.load_checkpoint(path)
@@ -67,9 +72,17 @@ def _chosen(state: Mapping[str, Any], ema: bool | int, path: Path) -> Mapping[st
             "Checkpointer under extra=)"
         )
     if not 0 <= index < len(averages):
-        raise CheckpointError(f"{path}: ema={ema} but the checkpoint holds {len(averages)}")
+        raise CheckpointError(f"{path}: ema={ema} but the checkpoint holds {_held(len(averages))}")
     chosen = averages[index]
     return {**chosen["buffers"], **chosen["shadow"]}
+
+
+def _held(n: int) -> str:
+    """The averages a checkpoint holds, as the ``ema=`` values that pick them."""
+    if n == 1:
+        return "1 average: ema=0 (or True)"
+    picks = " or ".join(f"ema={k}" for k in range(n)) if n <= 4 else f"ema=0 to ema={n - 1}"
+    return f"{n} averages: {picks} (or True for the first)"
 
 
 def _averages(state: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -203,13 +203,20 @@ def move_back(moved: Moves) -> None:
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint safely (no code runs); raise CheckpointError saying what is wrong.
 
-    A sharded model's checkpoint (a directory) gives its ``loop.pt``: each DTensor there is a
-    placeholder naming its shards' key, global shape and dtype."""
+    A sharded model's checkpoint (a directory, whatever its name: one copied or renamed is
+    one still) gives its ``loop.pt``: each DTensor there is a placeholder naming its shards'
+    key, global shape and dtype."""
     p = Path(path)
-    if p.is_dir() and _NAME.match(p.name):
+    if p.is_dir():
+        if not (p / "loop.pt").is_file():
+            if _NAME.match(p.name) or (p / ".metadata").is_file():
+                raise CheckpointError(f"{p}: unreadable (truncated or corrupt): no loop.pt")
+            raise CheckpointError(
+                f"{p}: a directory without loop.pt, so not a checkpoint (a sharded model's "
+                "checkpoint is a directory holding loop.pt beside its shards): pass a "
+                "checkpoint file or such a directory, e.g. one of the ckpt-* in it"
+            )
         p = p / "loop.pt"
-        if not p.is_file():
-            raise CheckpointError(f"{p.parent}: unreadable (truncated or corrupt): no loop.pt")
     if not p.is_file():
         raise CheckpointError(f"{p}: no such checkpoint file")
     try:

@@ -17,8 +17,8 @@ from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
 from . import _sharded
-from ._contract import StatePiece, check_all, load_all, need, spread
-from ._pieces import OptimizerState, StepsState, StepState
+from ._contract import ExtraStates, StatePiece, UserState, check_all, load_all, need, spread
+from ._pieces import StepsState, StepState
 
 BOOKKEEPING = ("format", "world_size", "saves")
 """Entries of a file beside the pieces' states."""
@@ -108,18 +108,21 @@ def _as_checkpoint_error(err: Exception, target: Path | None) -> Exception:
 
 
 def _live(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> dict[str, object]:
-    """The run's own state of the pieces whose saved state holds shards (their layout); an
-    optimizer that has not stepped yet lays its state out as its parameters."""
-    names = {key.split("/")[0] for key in _sharded.placeholders(state)}
-    live: dict[str, object] = {}
-    for name in names:
-        piece = pieces.get(name)
-        if piece is None:
-            continue
-        live[name] = piece.state_dict()
-        if isinstance(piece, OptimizerState):
-            live[name] = _sharded.with_parameter_layout(live[name], piece.optimizer)
-    return live
+    """The run's own state of the pieces whose saved state holds shards (their layout)."""
+    names = {str(path[0]) for path, _ in _sharded.located(state) if path}
+    return {name: _laid_out(pieces[name]) for name in names if name in pieces}
+
+
+def _laid_out(piece: StatePiece) -> object:
+    """``piece``'s state as the run holds it now, where every optimizer (its own piece, or
+    one under ``extra=``) that has not stepped yet lays its state out as its parameters: a
+    fresh run's optimizer has no state to read the checkpoint's into."""
+    if isinstance(piece, ExtraStates):
+        return {name: _laid_out(each) for name, each in piece.pieces.items()}
+    state = piece.state_dict()
+    if isinstance(piece, UserState) and isinstance(piece.obj, torch.optim.Optimizer):
+        return _sharded.with_parameter_layout(state, piece.obj)  # OptimizerState's too
+    return state
 
 
 def read_agreed(

@@ -6,9 +6,14 @@ directory: ``torch.distributed.checkpoint`` (DCP) writes every DTensor of the st
 rank its own shards (no gather), and rank zero writes ``loop.pt``, the rest of the state
 (counters, schedulers, the loader's place, every rank's RNG states, ``extra=``) in the
 format of a one-file checkpoint, each DTensor replaced by a placeholder naming its DCP key,
-its global shape and its dtype. The directory is written under a temporary name and
-renamed once every rank's shards and ``loop.pt`` are on disk, so a checkpoint that carries
-a checkpoint's name is complete; a killed save leaves only a temporary.
+its global shape and its dtype. A DCP key is the tensor's path in the state, each part's
+``%`` and ``/`` escaped (``%25``, ``%2F``) and the parts joined by ``/``: every path (a
+``ModuleDict``'s ``"enc/0"``, ``extra={"ema/teacher": ...}``) has a key of its own. A
+resume finds each tensor by the placeholder's place in ``loop.pt``, never by parsing its
+key, so checkpoints written before the escaping read alike. The directory is written
+under a temporary name and renamed once every rank's shards and ``loop.pt`` are on disk,
+so a checkpoint that carries a checkpoint's name is complete; a killed save leaves only a
+temporary.
 
 A resume reads ``loop.pt`` (``weights_only``: nothing runs code), checks every placeholder
 against the tensor the run holds at the same place (its global shape and dtype), and only
@@ -72,7 +77,8 @@ def _leaves(node: object, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ..
 
 
 def _key(path: tuple[str, ...]) -> str:
-    return "/".join(path)
+    """The DCP key of the tensor at ``path``: one key per path (the separator escaped)."""
+    return "/".join(part.replace("%", "%25").replace("/", "%2F") for part in path)
 
 
 def split(state: object) -> tuple[object, dict[str, torch.Tensor]]:
@@ -83,6 +89,11 @@ def split(state: object) -> tuple[object, dict[str, torch.Tensor]]:
     def walk(node: object, path: tuple[str, ...]) -> object:
         if kind is not None and isinstance(node, torch.Tensor) and isinstance(node, kind):
             key = _key(path)
+            if key in tensors:  # only keys that read alike as text: 0 and "0" in one dict
+                raise CheckpointError(
+                    f"two sharded tensors of the state are both at {key!r} (keys that differ "
+                    "only in type, an int and a str): give them names of their own"
+                )
             tensors[key] = node
             return {PLACEHOLDER: key, "shape": list(node.shape), "dtype": str(node.dtype)}
         if isinstance(node, dict):
@@ -101,33 +112,39 @@ def _is_placeholder(node: object) -> bool:
 
 def placeholders(state: object) -> dict[str, dict[str, Any]]:
     """The placeholders of a saved ``loop.pt`` state, by DCP key."""
-    found: dict[str, dict[str, Any]] = {}
+    return {str(node[PLACEHOLDER]): node for _, node in located(state)}
 
-    def walk(node: object) -> None:
+
+def located(state: object) -> list[tuple[tuple[object, ...], dict[str, Any]]]:
+    """Each placeholder of a saved ``loop.pt`` state with its place there: the keys and
+    indices that lead to it (where the run holds the tensor it stands for)."""
+    found: list[tuple[tuple[object, ...], dict[str, Any]]] = []
+
+    def walk(node: object, path: tuple[object, ...]) -> None:
         if _is_placeholder(node):
             assert isinstance(node, dict)
-            found[str(node[PLACEHOLDER])] = node
+            found.append((path, node))
         elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
+            for k, v in node.items():
+                walk(v, (*path, k))
         elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
+            for i, v in enumerate(node):
+                walk(v, (*path, i))
 
-    walk(state)
+    walk(state, ())
     return found
 
 
-def _at(node: object, path: list[str]) -> object:
+def _at(node: object, path: tuple[object, ...]) -> object:
     """The value at ``path`` in a live state (KeyError/IndexError where there is none)."""
     for part in path:
         if isinstance(node, dict):
-            key: object = part
+            key = part
             if part not in node:  # keys saved as str from ints (optimizer state indices)
-                key = next((k for k in node if str(k) == part), part)
+                key = next((k for k in node if str(k) == str(part)), part)
             node = node[key]
-        elif isinstance(node, (list, tuple)):
-            node = node[int(part)]
+        elif isinstance(node, (list, tuple)) and isinstance(part, int):
+            node = node[part]
         else:
             raise KeyError(part)
     return node
@@ -141,10 +158,11 @@ def templates(saved: object, live: object) -> dict[str, torch.Tensor]:
     reshards) or not at all (a whole tensor on each rank: DCP reads every shard into it).
     """
     out: dict[str, torch.Tensor] = {}
-    for key, info in placeholders(saved).items():
+    for path, info in located(saved):
+        key = str(info[PLACEHOLDER])
         try:
-            here = _at(live, key.split("/"))
-        except (KeyError, IndexError, ValueError):
+            here = _at(live, path)
+        except (KeyError, IndexError):
             raise CheckpointError(
                 f"the checkpoint holds the sharded tensor {key!r}, which this run does not: "
                 "build the same model, optimizer and EMA as the run that saved it"

@@ -128,25 +128,32 @@ def own_entry(
 
     Saved by another number of ranks with ``sync_ranks=True`` (a resume on another number
     of processes), the saved values are spread over the new ranks (``spread``) so the next
-    flush gives what the uninterrupted run would have, within rounding. With
-    ``sync_ranks=False`` each rank's values go to its own sinks, which no other number of
-    ranks can continue: refused.
+    flush gives what the uninterrupted run would have, within rounding. A state without
+    ``"ranks"`` (saved by one process) is one old rank's when this job's ranks take part in
+    what reaches a sink (``sync_ranks=True`` or ``False``): spread alike, not given whole to
+    every rank (which would count a ``sum`` once per rank). With ``sync_ranks=False`` each
+    rank's values go to its own sinks, which no other number of ranks can continue: refused,
+    growing or shrinking.
     """
     ranks = state.get("ranks")
-    if ranks is None:
-        return state
     rank, world = _ranks.world()
+    if ranks is None:
+        if sync_ranks is None or world == 1:
+            return state  # the same one process, or rank zero's sinks alone (sync_ranks=None)
+        ranks = [state]  # one process's interval, given to this job's ranks
     if not isinstance(ranks, list) or not ranks or not all(isinstance(r, Mapping) for r in ranks):
         raise ValueError(f"not a detach_logging state: its 'ranks' are {ranks!r}")
     if len(ranks) == world:
         entry: Mapping[str, Any] = ranks[rank]
         return entry
     if sync_ranks is not True:
+        old = "1 process" if len(ranks) == 1 else f"{len(ranks)} ranks"
+        here = "1 process" if world == 1 else f"{world} ranks"
         raise ValueError(
-            f"the log's state holds the unflushed values of {len(ranks)} ranks, each for its "
-            f"own sinks (sync_ranks={sync_ranks}), but this job has {world}: resume with "
-            f"{len(ranks)} processes, or log with sync_ranks=True (one record of every rank's "
-            "values), which resumes on any number"
+            f"the log's state holds the unflushed values of {old}, each for its own sinks "
+            f"(sync_ranks={sync_ranks}), but this job has {here}: resume with {old}, or log "
+            "with sync_ranks=True (one record of every rank's values), which resumes on any "
+            "number"
         )
     pending = []
     for r in ranks:

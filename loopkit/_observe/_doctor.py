@@ -4,9 +4,9 @@ Per step it times the wait for the loader's next batch (inside ``next()``, when 
 the loader), the time spent outside the step otherwise (the user's code between two
 steps), the host-to-device copy, forward+backward, the optimizer step, logging and
 communication, and it counts host-device syncs on a few sampled steps (counting every op
-would slow the loop it measures). On CUDA the phases are timed with CUDA events, resolved
-only when a report is made, so the doctor adds no sync of its own. The clock is in
-``_phase_clock``, the words in ``_report``.
+would slow the loop it measures), and torch.compile's graph breaks and recompiles. On CUDA
+the phases are timed with CUDA events, resolved only when a report is made, so the doctor
+adds no sync of its own. The clock is in ``_phase_clock``, the words in ``_report``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .._devices import model_device, parse_device
 from .._parallel._grad_sync import unwrap
 from .._precision import resolve_precision
 from .._types import DeviceLike, PrecisionLike
+from ._compile_events import CompileWatch
 from ._cuda_sync_warnings import CudaSyncCounter
 from ._host_syncs import count_host_syncs
 from ._phase_clock import PhaseClock
@@ -111,6 +112,7 @@ class doctor:
         self.optimizer: torch.optim.Optimizer | None = None
         """Set by ``attach``: its host-side step counters are not counted as syncs."""
         self._iterated = False  # whether doc.iterate has timed the loader's next()
+        self._compiles = CompileWatch()  # torch.compile's graphs, breaks, recompiles from now
         if report_at_exit:
             atexit.register(self._report_at_exit)
 
@@ -266,6 +268,7 @@ class doctor:
             "syncs_between_per_step": sum(self._sampler.between.values()) / n if n else None,
             "sync_lines": {f"{w} ({at})": c / n for (w, at), c in self._sampler.lines.items()},
             "expected_syncs_per_step": {r: c / n for r, c in self.expected_syncs.items()},
+            "compile": self._compiles.stats(),
             **compute,  # type: ignore[typeddict-item]
         }
 

@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._sync_points import Hub, Tallies, count_active, this_thread_hub
+from .._tracing import EagerStance
 from ._dispatch import OpCallback, OpObserver, enter_mode, remove_mode
 
 # Python-level reads: on the CPU ``tolist``/``numpy`` reach no aten op, so only a
@@ -175,12 +176,14 @@ class count_host_syncs:
     ``syncs.expected`` by reason, and the rest in ``syncs.user_events``. ``ignore``
     holds ids of tensors whose reads are not counted (host-resident by design, such as
     an optimizer's step counter). Counters nest and may exit in any order. Meant for
-    tests and diagnosis: it slows the code it watches.
+    tests and diagnosis: it slows the code it watches, and runs torch.compile'd code inside
+    it eagerly (a compiled graph's reads would be unseen).
     """
 
     def __init__(self, ignore: frozenset[int] = frozenset(), *, locate: bool = False) -> None:
         self._state = Tallies(frozenset(ignore), locate)
         self._hub: Hub | None = None
+        self._eager = EagerStance()
 
     @property
     def count(self) -> int:
@@ -214,6 +217,7 @@ class count_host_syncs:
                 "count_host_syncs() to count an inner block on its own)"
             )
         hub = this_thread_hub()
+        self._eager.__enter__()  # compiled code runs eagerly: its reads are seen
         if not hub.states:
             _install(hub)
         hub.states.append(self._state)
@@ -233,5 +237,8 @@ class count_host_syncs:
         self._hub = None
         hub.states.remove(self._state)
         count_active(-1)
-        if not hub.states:
-            _uninstall(hub)
+        try:
+            if not hub.states:
+                _uninstall(hub)
+        finally:
+            self._eager.__exit__()

@@ -6,6 +6,8 @@ import os
 from collections import Counter
 from typing import TypedDict
 
+from ._compile_events import CompileStats, compile_lines, compile_tips
+
 PHASES = ("data", "between", "h2d", "compute", "optimizer", "logging", "communication")
 _LABELS = {
     "data": "waiting for data",
@@ -35,6 +37,7 @@ class Stats(TypedDict):
     flops_per_s: float | None  # achieved, over the wall time of the measured steps
     mfu: float | None  # flops_per_s over the device's dense peak for the precision
     peak: str | None  # what the peak was: "A100, 3.12e+14", or "given, ..."
+    compile: CompileStats  # what torch.compile did while the doctor watched
 
 
 class Context(TypedDict):
@@ -160,6 +163,7 @@ def report_text(s: Stats, context: Context) -> str:
             for reason, n in sorted(s["expected_syncs_per_step"].items(), key=lambda x: -x[1])
         )
         lines.append(f"  loopkit's own syncs    {needed}")
+    lines += compile_lines(s["compile"])
     tips = tips_for(s, context)
     lines.append("Tips:" if tips else "Nothing stands out: no tip applies.")
     lines += [f"  - {t}" for t in tips]
@@ -192,6 +196,7 @@ def tips_for(s: Stats, context: Context) -> list[str]:
                 f"{syncs:.1f} host-device syncs per step ({ops}): {_SYNC_TIP}",
             )
         )
+    found += compile_tips(s["compile"], s["steps"])
     if share["compute"] > 0.6 and context["precision"] == "fp32":
         found.append((0.05, _BF16_TIP))
     return [tip for _, tip in sorted(found, key=lambda x: -x[0])]

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .._tracing import EagerStance
+
 # Dense (no sparsity) peak FLOP/s from the vendors' data sheets, by precision. fp32 is the
 # plain fp32 rate (not TF32). Matched against torch.cuda.get_device_name(), first hit wins.
 PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -73,6 +75,7 @@ class FlopCount:
         lookahead); else a step's are the samples counted since the last one ended."""
         self._counted_before = 0  # the doctor's sample count as the last step ended
         self._mode: Any = None
+        self._eager = EagerStance()
 
     def start(self, number: int) -> None:
         """Start counting if this is the step to count (and nothing was given)."""
@@ -80,6 +83,7 @@ class FlopCount:
             return
         from torch.utils.flop_counter import FlopCounterMode
 
+        self._eager.__enter__()  # compiled code, eagerly: its ops are counted
         mode: Any = FlopCounterMode(display=False)
         mode.__enter__()
         self._mode = mode
@@ -94,6 +98,7 @@ class FlopCount:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
+            self._eager.__exit__()
             if not ok:
                 self.at += 1  # count the next step instead
             else:

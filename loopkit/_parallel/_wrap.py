@@ -1,4 +1,5 @@
-"""``loopkit.distributed.wrap``: DDP, or FSDP2 per block, for the job this process is in."""
+"""``loopkit.distributed.wrap``: DDP, or FSDP2 per block, for the job this process is in;
+``compile=`` compiles first, in the order that gives the fewest graph breaks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 from torch import nn
 
 from .._blocks import Blocks, select_blocks
+from .._compile import _order
+from .._compile._options import CompileLike, compile_options
 from .._job import info
 from ._grad_sync import sync_kind
 
@@ -16,6 +19,7 @@ def wrap(
     *,
     fsdp: bool | Blocks = False,
     replicate: int | None = None,
+    compile: CompileLike = False,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Wrap ``model`` in DDP (or FSDP2 with ``fsdp=True``/``fsdp=BlockClass``) for this job.
@@ -25,9 +29,18 @@ def wrap(
     with ``fsdp=``: HSDP, FSDP2 on a 2-D mesh of R replicas, each sharded over
     ``world_size // R`` ranks (shards within a node, replicas across nodes: give each node
     its shard group, R the number of nodes).
+
+    ``compile=True`` (or a dict of ``torch.compile``'s keywords) compiles in place, after
+    any ``loopkit.checkpointed`` and before wrapping: each ``fsdp=`` block on its own (as
+    torchtitan does; on one process too), else the whole model, which DDP then wraps
+    (``DDP(compile(model))``: no graph break, where ``compile(DDP(model))`` has several).
+    The state-dict keys stay the model's own: no ``_orig_mod.``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
+    options = compile_options(compile, "compile")
+    if options is not None:
+        _order.refuse_compiled_twice(model)
     if replicate is not None:
         world = info().world_size
         if fsdp is False:
@@ -48,7 +61,12 @@ def wrap(
             f"the model is already wrapped ({sync_kind(model).upper()}): wrap it once; pass "
             "the unwrapped module to loopkit.distributed.wrap"
         )
+    blocks = None if fsdp is False or fsdp is True else select_blocks(model, fsdp)
     here = info()
+    if fsdp is not False and here.is_distributed:
+        _order.warn_if_sharded_after_compile(model)
+    if options is not None:  # everything checked: compile, then wrap
+        _order.compile_in_place(model, blocks, options)
     if not here.is_distributed:
         return model
     model = model.to(here.device)
@@ -61,9 +79,8 @@ def wrap(
 
             mesh = init_device_mesh(here.device.type, (replicate, here.world_size // replicate),
                                     mesh_dim_names=("replicate", "shard"))  # fmt: skip
-        if fsdp is not True:
-            for block in select_blocks(model, fsdp):
-                fully_shard(block, mesh=mesh)
+        for block in blocks or []:
+            fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
     if here.device.type == "cuda":

@@ -20,9 +20,10 @@ from torch import nn
 
 from .._blocks import Above, Blocks, select_blocks_with_paths
 from .._checks import is_int_at_least
+from .._compile._order import orig_module
 from ._call import run_checkpointed
 from ._policy import Policy, RecomputeConfig
-from ._refusals import orig_module, refuse_compiled, turn_off_kv_cache
+from ._refusals import refuse_compiled, turn_off_kv_cache
 
 F = TypeVar("F", bound=Callable[..., object])
 M = TypeVar("M", bound=nn.Module)

@@ -9,11 +9,12 @@ class (or a block's inside it) may never take effect: it is refused.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 
 from torch import nn
+
+from .._compile._order import compiled_how
 
 # Keyword arguments under which transformers layers receive a KV cache.
 _KV_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
@@ -75,36 +76,16 @@ def turn_off_kv_cache(model: nn.Module) -> None:
     )
 
 
-def orig_module(module: nn.Module) -> nn.Module | None:
-    """The module a ``torch.compile(module)`` wrapper runs; None for any other module."""
-    # Only a loaded torch._dynamo can have made the wrapper; importing it here would cost
-    # every user about a second.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        orig: nn.Module = module._orig_mod
-        return orig
-    return None
-
-
-def _compiled(module: nn.Module) -> str | None:
-    """``module`` named with how it was compiled, or None when it was not."""
-    orig = orig_module(module)
-    if orig is not None:
-        return f"the torch.compile wrapper of {type(orig).__name__}"
-    if module.__dict__.get("_compiled_call_impl") is not None:
-        return f"{type(module).__name__}, compiled in place with .compile()"
-    return None
-
-
 def refuse_compiled(module: nn.Module, above: tuple[nn.Module, ...]) -> None:
     """Raise if ``module`` or a module above it (``above``, the model first) is compiled."""
     for m in (*above, module):
-        compiled = _compiled(m)
+        compiled = compiled_how(m)
         if compiled is not None:
             what = compiled if m is module else f"{type(module).__name__} inside {compiled}"
             raise ValueError(
                 f"loopkit.checkpointed cannot checkpoint {what}: the compiled code would go "
                 "on running without the checkpoint. Apply loopkit.checkpointed first, then "
                 "compile: model = torch.compile(loopkit.checkpointed(model, ...)), or "
-                "loopkit.checkpointed(model, ...) then model.compile()"
+                "loopkit.checkpointed(model, ...) then model.compile() (or "
+                "loopkit.distributed.wrap(model, compile=True))"
             )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._checks import is_int_at_least
+from .._compile._options import CompileLike
 from .._ema import _average
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
@@ -80,6 +81,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     row (fp16's start-up back-off not counted); ``ema=loopkit.ema(model)`` (or a list of
     them: several decays) is averaged after each real update. ``acc.flush()`` (or ``for batch in
     acc.iterate(loader)``) closes a ragged last window with exact normalization.
+    ``compile_optimizer=True`` compiles the optimizer's step (see ``loopkit.step``).
     """
 
     every: int
@@ -97,6 +99,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = None,
         ema: _average.ema | Sequence[_average.ema] | None = None,
+        compile_optimizer: CompileLike = False,
     ) -> None:
         _check_binding(model, optimizer, every)
         kind = sync_kind(model)
@@ -104,6 +107,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler, ema=ema,
             skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
             kind=kind, group=getattr(unwrap(model), "process_group", None),
+            compile_optimizer=compile_optimizer,
         )  # fmt: skip
         self.model = model
         self.optimizer = optimizer
@@ -272,10 +276,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         The last item is found by looking one ahead, or by counting to ``len()`` where
         taking an item runs the data set in this process, so its random draws come where a
         plain loop's would (``_last_batch``). A window never spans two calls (two epochs):
-        a window left open when an earlier ``iterate`` was left early (``break``, an
-        exception) is closed as a window of its own (``flush()``) before this one hands out
-        its first item.
-        ``acc.lookahead`` is 1 while an item is held back that the loop has not seen.
+        one left open by an earlier ``iterate`` left early (``break``, an exception) is
+        closed on its own (``flush()``) first. ``acc.lookahead`` is 1 while an item is held.
         """
         return self._iterate_from(iterable, iterable)
 

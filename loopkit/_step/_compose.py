@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._checks import is_int_at_least
+from .._compile._options import CompileLike
 from .._data._to_device import Mover
 from .._devices import model_device, resolve_device, same_device
 from .._ema import _average
@@ -72,9 +73,10 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
     guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
     ``micro_batch=m``: ``iterate`` hands out batches in chunks of at most ``m`` samples;
     ``ema=loopkit.ema(model)`` (or a list: several decays) is averaged after each real update.
-    ``frozen=[D]``: modules this step trains through but not (a GAN's discriminator in the
-    generator's step): inside each micro-step their parameters get no gradient and a DDP
-    one does not all-reduce; ``requires_grad`` is restored on exit, whatever happens.
+    ``frozen=[D]``: modules trained through but not (a GAN's discriminator in the generator's
+    step): no gradient and no DDP all-reduce inside its micro-steps, ``requires_grad``
+    restored on exit. ``compile_optimizer=True`` (or torch.compile's keywords): the
+    optimizer's step compiled once, with tensor lrs (a scheduler causes no recompile).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         frozen: Sequence[nn.Module] = (),
         micro_batch: int | None = None,
         ema: _average.ema | Sequence[_average.ema] | None = None,
+        compile_optimizer: CompileLike = False,
     ) -> None:
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
@@ -116,16 +119,11 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         """Samples, tokens and epochs ``iterate`` handed out: the log's other x-axes."""
         self._mover = Mover(self.device, non_blocking, uint8_to, normalize, channels_last)
         self.accumulator = _accumulate.accumulate(
-            model,
-            optimizer,
-            accumulate,
-            scheduler=scheduler,
-            clip_grad_norm=clip_grad_norm,
+            model, optimizer, accumulate, scheduler=scheduler, clip_grad_norm=clip_grad_norm,
             amp=self.amp if self.amp.precision != "fp32" else None,
-            skip_nonfinite=skip_nonfinite,
-            max_consecutive_skips=max_consecutive_skips,
-            ema=ema,
-        )
+            skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
+            ema=ema, compile_optimizer=compile_optimizer,
+        )  # fmt: skip
         """The ``loopkit.accumulate`` this step drives (windows, update, counters)."""
         self.doctor = doctor
         if doctor is not None:
@@ -241,9 +239,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         self, iterable: Iterable[T], *, progress: bool | str = False,
         tokens: Callable[[T], int] | None = None,
     ) -> Iterator[T]:  # fmt: skip
-        """Yield the batches moved to the device; the last closes its window on exit.
-
-        It looks one batch ahead (the next copy starts while this one computes) and counts
+        """Yield the batches moved to the device; the last closes its window on exit. It
+        looks one batch ahead (the next copy starts while this one computes) and counts
         each batch handed out (``step.seen``; ``tokens=`` a host-side count per batch).
         ``progress=True`` (or ``"plain"``) shows updates of the total, the epoch, samples/s
         or tokens/s, an ETA and the last flushed metrics on rank zero, with no host sync.

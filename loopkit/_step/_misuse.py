@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .. import _ranks
+from .._compile._order import compiled_around_wrapper
 from .._data._epoch_loader import Pass
 from .._errors import OpenWindowWarning, UnwrappedModelWarning
 from .._types import SyncKind
@@ -217,6 +218,9 @@ class Guard:
                 UnwrappedModelWarning,
                 frame,
             )
+        around = compiled_around_wrapper(model, kind)
+        if around is not None:
+            _warn(around, UserWarning, user_frame())
 
     def entered(self, micro: int, by_iterate: bool = False) -> None:
         """A micro-step was entered; ``micro`` counts it (1 opens the window).

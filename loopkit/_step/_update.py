@@ -16,6 +16,8 @@ import torch
 
 from .. import _ranks
 from .._checks import is_int_at_least
+from .._compile._optimizer_step import CompiledOptimizerStep, check_compilable
+from .._compile._options import CompileLike, compile_options
 from .._ema import _average
 from .._precision import agree_found_inf, autocast_step, mark_found_inf
 from .._sync_points import expected_sync
@@ -132,6 +134,7 @@ class UpdateRule:
         max_consecutive_skips: int | None,
         kind: SyncKind,
         group: Any,
+        compile_optimizer: CompileLike = False,
     ) -> None:
         if clip_grad_norm is not None and (
             isinstance(clip_grad_norm, bool)
@@ -146,6 +149,9 @@ class UpdateRule:
             )
         check_scheduler(scheduler, optimizer)
         emas = check_emas(ema, optimizer)
+        compiled = compile_options(compile_optimizer, "compile_optimizer")
+        if compiled is not None:
+            check_compilable(optimizer, scheduler)
         if amp is not None and not isinstance(amp, autocast_step):
             raise TypeError(
                 f"amp must be a loopkit.autocast_step (it carries the fp16 GradScaler), got "
@@ -169,6 +175,10 @@ class UpdateRule:
         self.max_consecutive_skips = max_consecutive_skips
         self.kind: SyncKind = kind
         self.group = group
+        self.compiled_step = (
+            None if compiled is None else CompiledOptimizerStep(optimizer, compiled)
+        )
+        """``compile_optimizer=``: the optimizer's step, compiled (None: ``optimizer.step``)."""
         # Losses are checked on the device (no sync) when a decision needs them.
         self.watch_loss = skip_nonfinite or (self.fp16 and max_consecutive_skips is not None)
 
@@ -206,11 +216,11 @@ class UpdateRule:
             if self.skip_nonfinite:
                 # A non-finite loss with finite gradients (on any rank) joins the scaler's flag.
                 mark_found_inf(amp.scaler, opt, self.loss_bad(window))
-            stepped = amp.step(opt)
+            stepped = amp.step_each((opt,), self._step_optimizer)
         elif self.skip_nonfinite and not self._finite(params, window, progress):
             stepped = False
         else:
-            opt.step()
+            self._step_optimizer(opt)
             stepped = True
         # 5. Count, and step the scheduler only for a real update.
         progress.last_updated = stepped
@@ -233,6 +243,12 @@ class UpdateRule:
                 "data, or resume from an earlier checkpoint"
             )
         return False
+
+    def _step_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        if self.compiled_step is None:
+            opt.step()
+        else:
+            self.compiled_step()
 
     def claim_ema(self, owner: object) -> None:
         """The averages are updated by ``owner`` from now on (after everything was checked)."""

@@ -101,7 +101,7 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-# CI kills each run 6 times (2 of them mid-save); LOOPKIT_DEEP=1 kills it 10 times (3).
+# CI kills a run 4 to 6 times (every third mid-save); LOOPKIT_DEEP=1 kills it 10 times.
 KILLS = 10 if DEEP else 6
 
 
@@ -166,16 +166,17 @@ def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_path: Path) -> None:
-    """Killed 6 times (10 deep; every third mid-save) and resumed each time: the uninterrupted
-    weights.
+    """Killed 6 times in bf16, 4 in fp32 (10 each deep; every third mid-save) and resumed
+    each time: the uninterrupted weights.
 
     bf16 runs with an EMA of the weights (validated through swapped()): the average too;
     every other restart of it saves in the background (--async-save), so kills land in the
     middle of background writes too."""
     ema = ["--ema", "0.99"] if precision == "bf16" else []
     cmd = [sys.executable, *EXAMPLE, *EPOCHS, "--precision", precision, *ema]
+    kills = KILLS if DEEP or precision == "bf16" else KILLS - 2  # CI's bound: bf16 does more
     ref, final = _kill_ten_times(tmp_path, _async_every_other(cmd, precision == "bf16"),
-                                 f"kills-{precision}")  # fmt: skip
+                                 f"kills-{precision}", kills=kills)  # fmt: skip
     assert _bit_equal(ref, final)
     assert any(k.startswith("ema.") for k in final) == bool(ema)
 
@@ -200,7 +201,9 @@ def test_random_augmentation_under_torchrun_resumes_bit_identically(tmp_path: Pa
     DDP: the same weights and average."""
     cmd = [*TORCHRUN, *EXAMPLE, *EPOCHS, "--precision", "bf16", "--augment",
            "--workers", "1", "--ema", "0.99"]  # fmt: skip
-    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-torchrun")
+    # CI's bound: 4 kills (the whole-tree kills of FSDP2 below cover the torchrun side too).
+    ref, final = _kill_ten_times(tmp_path, lambda kill: cmd, "kills-torchrun",
+                                 kills=KILLS if DEEP else KILLS - 2)  # fmt: skip
     assert _bit_equal(ref, final)
 
 

@@ -64,3 +64,22 @@ def test_a_checkpoint_without_an_average_says_so(tmp_path: Path) -> None:
     _, _, two = _trained(tmp_path / "two")
     with pytest.raises(loopkit.CheckpointError, match="ema=2 but the checkpoint holds 2"):
         loopkit.export_weights(two, ema=2)
+
+
+def test_an_average_out_of_range_names_those_held(tmp_path: Path) -> None:
+    """ema=2 of 2 averages (or 1 of 1): CheckpointError naming the ema= values that exist;
+    ema=-1: ValueError (no negative index); ema="x": TypeError; nothing read in either."""
+    _, _, two = _trained(tmp_path / "two")
+    held = r"holds 2 averages: ema=0 or ema=1 \(or True for the first\)"
+    with pytest.raises(loopkit.CheckpointError, match=held):
+        loopkit.export_weights(two, ema=2)
+    one = tmp_path / "one"
+    model = mlp()
+    average = loopkit.ema(model, decay=0.9)
+    path = loopkit.Checkpointer(one, model=model, extra={"ema": average}).save()
+    with pytest.raises(loopkit.CheckpointError, match=r"holds 1 average: ema=0 \(or True\)"):
+        loopkit.export_weights(path, ema=1)
+    with pytest.raises(ValueError, match=r"no negative index.*-1"):
+        loopkit.export_weights(tmp_path / "nope.pt", ema=-1)
+    with pytest.raises(TypeError, match="ema must be False, True or the index"):
+        loopkit.export_weights(tmp_path / "nope.pt", ema="x")  # type: ignore[arg-type]

@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 import loopkit
+from loopkit import _ranks
 from loopkit._checkpoint import _rng
 from loopkit._data._epoch_loader import resharded
 from loopkit._data._seeding import KeyedBatches, SeededRandomSampler
 from loopkit._logging._log_state import own_entry, spread
+from loopkit._logging._reductions import reduce_local
 
 EVERY_SAMPLE_ONCE = [list(range(elastic.SAMPLES))] * elastic.EPOCHS
 
@@ -231,3 +233,45 @@ def test_the_unflushed_values_of_other_ranks_flush_as_the_uninterrupted_run_woul
         own_entry(state, False)
     uneven = [{"loss": [1.0]}, {"loss": [2.0, 3.0]}]  # not once a call: all on rank 0
     assert spread(uneven, 0, how) == {"loss": [1.0, 2.0, 3.0]} and spread(uneven, 1, how) == {}
+
+
+def test_one_process_unflushed_values_are_spread_over_the_new_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 1-process log state (no 'ranks' entry), sync_ranks=True, given to 2 ranks: spread as
+    one old rank's, so the next cross-rank flush pools the 1-process interval once (a sum is
+    not counted once per rank); sync_ranks=False is refused growing and shrinking, before
+    anything loads; sync_ranks=None gives rank zero (whose sinks alone log) the state."""
+
+    def made(sync_ranks: bool | None) -> loopkit.detach_logging:
+        return loopkit.detach_logging(every=4, sink=[], reduce={"n": "sum"}, sync_ranks=sync_ranks)
+
+    one = made(True)
+    for loss in (0.5, 0.75):  # two calls of a global batch of 8 in one process
+        one(n=8.0, loss=torch.tensor(loss))
+    state = one.state_dict()
+    assert "ranks" not in state
+    logs = []
+    for rank in (0, 1):
+        monkeypatch.setattr(_ranks, "world", lambda r=rank: (r, 2))
+        log = made(True)
+        log.load_state_dict(state)
+        assert log.step == 2 and log._calls_since_flush == 2
+        log(n=4.0, loss=torch.tensor(1.0))  # a third call, each rank with half of the batch
+        logs.append(log)
+    assert logs[0]._values["n"] == [8.0, 8.0, 4.0] and logs[1]._values["n"] == [4.0]
+    pooled = {k: logs[0]._values[k] + logs[1]._values[k] for k in ("n", "loss")}
+    flushed = reduce_local(pooled, {"n": "sum", "loss": "mean"}.__getitem__)
+    # As the uninterrupted 2-rank run's: 3 calls of 4 samples on each rank; each call's loss.
+    assert flushed["n"] == 24.0 and flushed["loss"] == pytest.approx((0.5 + 0.75 + 1.0) / 3)
+    for rank in (0, 1):
+        monkeypatch.setattr(_ranks, "world", lambda r=rank: (r, 2))
+        assert own_entry(state, None)["pending"]["n"] == [8.0, 8.0]
+        log = made(False)
+        with pytest.raises(loopkit.CheckpointError, match=r"values of 1 process.*has 2 ranks"):
+            log.check_state_dict(state)
+        assert log.step == 0 and not log._values
+    two = {**state, "ranks": [own_entry(state), own_entry(state)]}
+    monkeypatch.setattr(_ranks, "world", lambda: (0, 1))
+    with pytest.raises(loopkit.CheckpointError, match=r"values of 2 ranks.*has 1 process"):
+        made(False).check_state_dict(two)

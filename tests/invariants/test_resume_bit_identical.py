@@ -20,9 +20,12 @@ states and lr, the EMAs (averages, buffers, counters), the counters (updates, sk
 group's windows), the python/numpy/torch random states, the updates at which the cadence
 fired, the tracker's CSV (every row, after the killed runs' rows and the replays), and the
 newest checkpoint's content (the loader's place and generator, every piece) but its save
-count and wall-clock time. A resume whose configuration changed (accumulate,
-precision, members, schedulers, an EMA, batch size; the loader's seed or shuffle when it
-stopped mid-pass: at a pass's boundary another order may start) is refused with
+count and wall-clock time. A drawn "alternate" run compiles its models in place
+(``distributed.wrap(compile=)``) in segments 0 and 2 and runs segment 1 eagerly: a compiled
+run's checkpoint resumes into an eager one and back, bit for bit. A resume whose
+configuration changed (accumulate, precision, members, schedulers, an EMA, batch size; the
+loader's seed or shuffle when it stopped mid-pass: at a pass's boundary another order may
+start) is refused with
 ``CheckpointError`` before anything loads: every object and random state as it was."""
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
 from hypothesis import example, given
 from hypothesis import strategies as st
 from inv_budget import prop
@@ -50,6 +54,9 @@ from loopkit import distributed
 
 Spec = dict[str, Any]
 D_IN, D_OUT = 4, 3
+# distributed.wrap(compile=) with dynamo's eager backend: dynamo's graphs run op by op, so a
+# compiled segment computes the eager bits and the resume is compared bit for bit.
+COMPILED = {"backend": "eager"}
 
 
 class Killed(Exception):
@@ -107,7 +114,9 @@ def _averages(model: nn.Module, kind: object) -> Any:
 class World:
     """Every object of the run, built fresh as a (re)started script builds them."""
 
-    def __init__(self, spec: Spec, root: Path, change: str | None = None) -> None:
+    def __init__(
+        self, spec: Spec, root: Path, change: str | None = None, compiled: bool = False
+    ) -> None:
         spec = changed(spec, change)
         self.spec = spec
         torch.manual_seed(0)
@@ -128,6 +137,10 @@ class World:
         n_members = 1 if spec["shape"] == "step" else 2
         gan = spec["shape"] == "gan"  # models[1] is a generator trained through models[0]
         self.models = [_model(0), _generator()] if gan else [_model(k) for k in range(n_members)]
+        if compiled:  # compiled in place: the checkpoint must not depend on it
+            torch._dynamo.reset()
+            for m in self.models:
+                distributed.wrap(m, compile=COMPILED)
         self.opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in self.models]
         self.scheds = [
             torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.7)
@@ -411,6 +424,7 @@ def runs(draw: Any) -> Spec:
         "inf_at": draw(
             st.none() | st.tuples(st.integers(0, epochs - 1), st.integers(0, batches - 1))
         ),
+        "compiled": draw(st.sampled_from([None] * 5 + ["alternate"])),
     }
 
 
@@ -420,10 +434,12 @@ def _run(
     """The run with ``events`` (each ends a segment; the next one resumes with fresh objects)."""
     fired: list[tuple[int, int]] = []
     world = None
-    for event in [*events, None]:
+    for segment, event in enumerate([*events, None]):
         if world is not None:
             world.close()
-        world = World(spec, root)
+        # "alternate": segments 0 and 2 run compiled, 1 eager (a compiled run's checkpoint
+        # resumed eagerly, and back); the uninterrupted run is one compiled segment.
+        world = World(spec, root, compiled=spec.get("compiled") == "alternate" and segment % 2 == 0)
         world.segment(event, spec["max_updates"])
         # The fires after the checkpoint resumed from were lost with the process; a fire at
         # its boundary happened before its save (the loop validates, then saves).
@@ -444,6 +460,15 @@ def _run(
      "micro_batch": None, "oom_at": None, "ema": None,
      "max_updates": None, "check_every": 1, "save_every": 1, "events": [("max_updates", 1)],
      "inf_at": (0, 1)}
+)  # fmt: skip
+# A compiled run stopped twice: resumed eagerly from its checkpoint, then compiled again.
+@example(
+    {"shape": "step", "every": 2, "precision": "bf16", "samples": 9, "batch_size": 2,
+     "shuffle": True, "loader_seed": 1, "workers": 0, "source": "tensors", "scheduler": True,
+     "log": (2, "step"), "early_stop": None, "cadence": ("updates", 2), "epochs": 2,
+     "micro_batch": None, "oom_at": None, "ema": 1, "compiled": "alternate",
+     "max_updates": None, "check_every": 1, "save_every": 1,
+     "events": [("signal", 3), ("crash", 7)], "inf_at": None}
 )  # fmt: skip
 def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(spec: Spec) -> None:
     """Weights, optimizer/scheduler states, counters, loader place, RNG states: bit for bit."""

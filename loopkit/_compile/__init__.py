@@ -1,0 +1,1 @@
+"""torch.compile in the loop: its options, the wrapping order, the compiled optimizer step."""
