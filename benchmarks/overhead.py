@@ -208,8 +208,94 @@ def fabric_loop(
             opt.zero_grad(set_to_none=True)
 
 
+EMA_DECAY, LOG_EVERY = 0.999, 50
+
+
+def hand_full(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    """Everything a real run turns on, by hand: clipping, a scheduler, an EMA loop over the
+    parameters, the loss read with .item() every 50 micro-steps into a CSV file, a tqdm bar,
+    a time limit and a validation cadence checked every micro-step (never firing)."""
+    import csv
+
+    from tqdm import tqdm
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.9)
+    params = list(model.parameters())
+    ema = [p.detach().clone() for p in params]
+    dtype = DTYPES[prec]
+    deadline, updates, total = time.monotonic() + 99 * 3600, 0, torch.zeros(())
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null, \
+            open(os.path.join(tmp, "m.csv"), "w", newline="") as f:  # fmt: skip
+        rows = csv.writer(f)
+        bar = tqdm(range(steps), file=null)
+        for i in bar:
+            x, y = data[i % len(data)]
+            with torch.autocast("cpu", dtype=dtype) if prec != "fp32" else contextlib.nullcontext():
+                loss = nn.functional.mse_loss(model(x), y)
+            (loss / N).backward()
+            total += loss.detach()
+            if (i + 1) % N == 0:
+                if clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for e, p in zip(ema, params, strict=True):
+                        e.lerp_(p, 1 - EMA_DECAY)
+                updates += 1
+                if updates % 50 == 0:
+                    pass  # validation would run here
+            if (i + 1) % LOG_EVERY == 0:
+                rows.writerow([updates, (total / LOG_EVERY).item()])  # one host read
+                total.zero_()
+            if time.monotonic() > deadline:
+                break
+
+
+def loopkit_full(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    """The same with loopkit: step(clip, scheduler, log= with a CSV sink, ema=), iterate
+    with progress=True, until (time limit) and cadence, and the misuse guards."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.9)
+    average = loopkit.ema(model, decay=EMA_DECAY)
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null:
+        log = loopkit.detach_logging(every=LOG_EVERY,
+                                     sink=loopkit.CSVSink(os.path.join(tmp, "m.csv")))  # fmt: skip
+        step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip,
+                            scheduler=sched, log=log, ema=average)  # fmt: skip
+        batches = [data[i % len(data)] for i in range(steps)]
+        with contextlib.redirect_stderr(null), loopkit.until(step, max_time="99:00:00") as stop:
+            validate = loopkit.cadence(step, updates=50)
+            for x, y in step.iterate(batches, progress=True):
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                validate.due()
+                if stop.check():
+                    break
+
+
+def loopkit_ema(
+    model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
+) -> None:
+    """loopkit.step with ema= (the average's own cost, against loopkit.step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip,
+                        ema=loopkit.ema(model, decay=EMA_DECAY))  # fmt: skip
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+
+
 LOOP_CONTROL = "loopkit.step + until + cadence"
 LOGGED, TRACKED = "loopkit.step + iterate + log", "loopkit.step + iterate + log + CSV + progress"
+HAND_FULL, FULL = "hand-written, full stack", "loopkit, full stack"
 CONTENDERS: dict[str, Runner] = {
     "hand-written": hand,
     "loopkit pieces": loopkit_pieces,
@@ -218,10 +304,14 @@ CONTENDERS: dict[str, Runner] = {
     LOOP_CONTROL: functools.partial(loopkit_step, with_loop_control=True),
     LOGGED: loopkit_logged,
     TRACKED: functools.partial(loopkit_logged, tracked=True),
+    "loopkit.step + ema": loopkit_ema,
+    HAND_FULL: hand_full,
+    FULL: loopkit_full,
     "accelerate": accelerate_loop,
     "fabric": fabric_loop,
 }
-LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL, LOGGED, TRACKED)
+LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL, LOGGED, TRACKED,
+           "loopkit.step + ema")  # fmt: skip
 
 
 def available() -> dict[str, str | None]:
@@ -239,8 +329,17 @@ def available() -> dict[str, str | None]:
 
 
 def check_parity(model_name: str, prec: str, clip: float | None) -> None:
-    """loopkit's runs must end bit-identical to the hand-written run."""
+    """loopkit's runs must end bit-identical to the hand-written run (the full stacks: to
+    each other)."""
     data = make_data(model_name)
+    pairs = [(HAND_FULL, FULL)]
+    for ref_name, name in pairs:
+        ref, model = build(model_name), build(model_name)
+        CONTENDERS[ref_name](ref, data, 4 * N, prec, clip)
+        CONTENDERS[name](model, data, 4 * N, prec, clip)
+        pairs_of = zip(ref.parameters(), model.parameters(), strict=True)
+        if not all(torch.equal(a, b) for a, b in pairs_of):
+            raise SystemExit(f"parity broken: {name} ({model_name}, {prec}) != {ref_name}")
     ref = build(model_name)
     hand(ref, data, 4 * N, prec, clip)
     for name in LOOPKIT:
@@ -315,6 +414,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     }
                     if name == TRACKED:  # the tracker and the display: against the same log
                         row["ratio_to_logged"] = round(us[name] / us[LOGGED], 4)
+                    if name == FULL:  # the whole stack against the same stack by hand
+                        row["ratio_to_hand_full"] = round(us[name] / us[HAND_FULL], 4)
+                        row["pieces_us"] = {
+                            "log": round(us[LOGGED] - us["loopkit.step"], 2),
+                            "CSV + progress": round(us[TRACKED] - us[LOGGED], 2),
+                            "ema": round(us["loopkit.step + ema"] - us["loopkit.step"], 2),
+                            "until + cadence (timed inside)": round(control_us, 3),
+                        }
                     if name == LOOP_CONTROL:  # loop control's own cost: against the same step
                         row["ratio_to_step"] = round(us[name] / us["loopkit.step"], 4)
                         row["control_us"] = round(control_us, 3)
@@ -350,6 +457,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(
                     f"  {r['model']} {r['precision']}: CSV tracker + progress display over the "
                     f"same logged loop: {r['ratio_to_logged']:.3f}"
+                )
+        for r in rows:
+            if "ratio_to_hand_full" in r:
+                pieces = ", ".join(f"{k} {v:+.2f}" for k, v in r["pieces_us"].items())
+                print(
+                    f"  {r['model']} {r['precision']}: full stack, loopkit over the same by "
+                    f"hand: {r['ratio_to_hand_full']:.3f}; us per micro-step each piece adds "
+                    f"to loopkit.step: {pieces}"
                 )
         for r in rows:
             if "ratio_to_step" in r:

@@ -11,7 +11,12 @@ one run:
   process and its loader workers after an epoch, with 0, 2 and 4 workers, for the mapped
   cache and for the same images held as a Python list of tensors, less that of the same
   processes looping over one image (what the processes cost whatever the data);
-- build cost: the time to build the cache, and to open it again (a second run).
+- build cost: the time to build the cache, and to open it again (a second run);
+- against the floor: the raw gather (one ``index_select`` per field over the same mapped
+  cache, a shuffled epoch in batches of 256, nothing else) next to ``distributed.loader``
+  over the cache (0 workers, one thread) and the same loader with a pass-through
+  ``collate_fn`` (which makes it reseed the RNGs per batch), interleaved and repeated:
+  their rates, the ratio to the gather and the microseconds per batch above it.
 
     python benchmarks/preload.py [--quick] [--json]
 
@@ -97,6 +102,54 @@ def epoch_rate(loader: Any) -> float:
             seen += len(x)
         rate = seen / (time.perf_counter() - start)
     return rate
+
+
+def gather_epoch(cache: Any) -> float:
+    """Samples per second of the floor: one index_select per field per shuffled batch."""
+    n, fields = len(cache), cache.tensors
+    order = torch.randperm(n)
+    start = time.perf_counter()
+    for at in range(0, n, BATCH):
+        idx = order[at : at + BATCH]
+        batch = [torch.index_select(f, 0, idx) for f in fields]
+    del batch
+    return n / (time.perf_counter() - start)
+
+
+def loader_epoch(loader: Any) -> float:
+    """Samples per second of one pass (what the loop sees: the batches, nothing done)."""
+    seen = 0
+    start = time.perf_counter()
+    for x, _ in loader:
+        seen += len(x)
+    return seen / (time.perf_counter() - start)
+
+
+def pass_through(batch: Any) -> Any:
+    """A collate_fn that only returns the batch: what the per-batch reseed alone costs."""
+    return batch
+
+
+def against_the_gather(cache: Any, repeats: int) -> dict[str, Any]:
+    """The gather, the loader and the loader with a collate_fn, interleaved ``repeats``
+    times (after one warm pass each): median rates, ratios to the gather, and the
+    microseconds per batch each loader spends above it."""
+    plain = distributed.loader(cache, batch_size=BATCH, seed=0)
+    reseeded = distributed.loader(cache, batch_size=BATCH, seed=0, collate_fn=pass_through)
+    runs: dict[str, list[float]] = {"gather": [], "loader": [], "loader + collate_fn": []}
+    for r in range(repeats + 1):
+        rates = (gather_epoch(cache), loader_epoch(plain), loader_epoch(reseeded))
+        if r:  # the first round warms the page cache and the allocator
+            for name, rate in zip(runs, rates, strict=True):
+                runs[name].append(rate)
+    median = {name: float(np.median(rates)) for name, rates in runs.items()}
+    per_batch = {name: (BATCH / median[name] - BATCH / median["gather"]) * 1e6
+                 for name in runs if name != "gather"}  # fmt: skip
+    ratios = {name: [a / g for a, g in zip(rates, runs["gather"], strict=True)]
+              for name, rates in runs.items() if name != "gather"}  # fmt: skip
+    return {"samples_per_s": median, "runs": runs, "ratio_runs": ratios,
+            "ratio": {name: float(np.median(r)) for name, r in ratios.items()},
+            "us_per_batch_above_gather": per_batch}  # fmt: skip
 
 
 def pss_mib(pids: list[int]) -> float:
@@ -193,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             distributed.loader(cache, batch_size=BATCH)
         ),
     }
+    floor = against_the_gather(cache, 3 if args.quick else 9)
     memory = {}
     for workers in (0, 2) if args.quick else (0, 2, 4):
         bare = memory_after_an_epoch("none", workers, images, cache_dir)
@@ -211,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "plain_by_workers": plain,
         "samples_per_s": rates,
         "pss_mib": memory,
+        "against_the_gather": floor,
     }
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
@@ -227,6 +282,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           + ", ".join(f"{w}: {r:,.0f}/s" for w, r in plain.items()))  # fmt: skip
     print(f"build: {build_s:.2f} s for {result['cache_mib']:.1f} MiB; open again: "
           f"{open_s * 1000:.0f} ms\n")  # fmt: skip
+    g = floor["samples_per_s"]["gather"]
+    print(f"Against the floor (one index_select per field, batch {BATCH}, 0 workers, 1 thread; "
+          f"median of {len(floor['runs']['gather'])} interleaved epochs)\n")  # fmt: skip
+    print("| contender | samples/s | ratio to the gather | us per batch above it | "
+          "ratio in each run |\n|---|---|---|---|---|")  # fmt: skip
+    print(f"| raw gather | {g:,.0f} | 1.00 | 0 | |")
+    for name, ratio in floor["ratio"].items():
+        runs = ", ".join(f"{r:.2f}" for r in floor["ratio_runs"][name])
+        print(
+            f"| distributed.loader{name[6:]} | {floor['samples_per_s'][name]:,.0f} | "
+            f"{ratio:.2f} | {floor['us_per_batch_above_gather'][name]:.0f} | {runs} |"
+        )
+    print("\nThe collate_fn row pays the per-batch reseed (python's, numpy's and torch's RNGs "
+          "saved, seeded from the batch's key and put back: numpy's and python's state copies "
+          "are most of it); without a collate_fn a gather draws no random number, so the "
+          "loader skips it.\n")  # fmt: skip
     print("PSS of the main process and its workers after an epoch, above the same processes "
           "looping over a single image (MiB)\n")  # fmt: skip
     print("| workers | preload cache | list of tensors | the processes themselves |")

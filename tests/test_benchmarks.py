@@ -45,7 +45,9 @@ def _json(script: str, *args: str) -> list[dict[str, Any]]:
 
 
 def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
-    """overhead.py --quick: parity held (else it exits non-zero), one row per contender."""
+    """overhead.py --quick: parity held (else it exits non-zero: loopkit's runs bit-identical
+    to the hand-written loop, its full stack to the same stack by hand), one row per
+    contender, the full stack's per-piece microseconds."""
     rows = _json("benchmarks/overhead.py", "--quick", "--models", "tiny", "--clip")
     assert {(r["precision"], r["contender"]) for r in rows} == {
         (p, c)
@@ -58,6 +60,9 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             "loopkit.step + until + cadence",
             "loopkit.step + iterate + log",
             "loopkit.step + iterate + log + CSV + progress",
+            "loopkit.step + ema",
+            "hand-written, full stack",
+            "loopkit, full stack",
             "accelerate",
             "fabric",
         )
@@ -72,6 +77,11 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
         assert ("ratio_to_step" in r) == control
         if control:  # the calls cost well under 1% of a micro-step (measured, not timed here)
             assert r["control_us"] > 0 and 0 < r["control_share"] < 1
+        full = r["contender"] == "loopkit, full stack"  # parity with the hand stack held
+        assert ("ratio_to_hand_full" in r) == full
+        if full:
+            assert set(r["pieces_us"]) == {"log", "CSV + progress", "ema",
+                                           "until + cadence (timed inside)"}  # fmt: skip
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
     png = tmp_path / "overhead.png"
@@ -111,12 +121,21 @@ def test_data_seeding_benchmark_quick_rows() -> None:
 
 def test_preload_benchmark_quick(tmp_path: Path) -> None:
     """preload.py --quick: the three loaders, the memory rows, the cache built then opened;
-    the batched cache outruns decoding per sample (the full run measures by how much)."""
+    the batched cache outruns decoding per sample (the full run measures by how much); the
+    raw gather of the same cache beside the loaders, with each run's ratio to it."""
     result: Any = _json("benchmarks/preload.py", "--quick", "--dir", str(tmp_path))
     rates = list(result["samples_per_s"].values())
     assert len(rates) == 3 and rates[2] > rates[0]
     assert set(result["pss_mib"]) == {"0", "2"}
     assert result["build_s"] > 0 and result["open_s"] < result["build_s"]
+    floor = result["against_the_gather"]
+    loaders = {"loader", "loader + collate_fn"}
+    assert set(floor["samples_per_s"]) == {"gather"} | loaders
+    assert set(floor["ratio"]) == set(floor["us_per_batch_above_gather"]) == loaders
+    for name in loaders:
+        runs = floor["ratio_runs"][name]
+        assert len(runs) == len(floor["runs"]["gather"]) == 3 and all(r > 0 for r in runs)
+        assert floor["ratio"][name] == pytest.approx(sorted(runs)[1])  # the median of 3
 
 
 def test_first_use_benchmark_quick() -> None:

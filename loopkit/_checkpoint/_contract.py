@@ -7,8 +7,8 @@ each ``state_dict()`` under its key; a resume first calls every ``check_state_di
 loads piece after piece, each after its ``snapshot()``, and if a load fails puts every
 piece loaded so far back with ``restore``. A new stateful part of a run (an EMA of the
 weights, a stop condition) plugs in as a piece, through ``extra=``, with no change to the
-Checkpointer. The pieces for loopkit's own objects are in ``_pieces`` and
-``_rng``.
+Checkpointer. The pieces for loopkit's own objects are in ``_pieces``, ``_step_state``,
+``_amp_state`` and ``_rng``.
 """
 
 from __future__ import annotations

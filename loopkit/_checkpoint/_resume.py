@@ -18,7 +18,7 @@ from .._errors import CheckpointError
 from . import _files as files
 from . import _sharded
 from ._contract import ExtraStates, StatePiece, UserState, check_all, load_all, need, spread
-from ._pieces import StepsState, StepState
+from ._step_state import StepsState, StepState
 
 BOOKKEEPING = ("format", "world_size", "saves")
 """Entries of a file beside the pieces' states."""

@@ -34,8 +34,9 @@ from . import _sharded
 from ._background import Background, staged
 from ._contract import StatePiece, need, per_rank
 from ._deferred import DeferredSave
-from ._pieces import LoaderState, StepsState, StepState, pieces_for
+from ._pieces import LoaderState, pieces_for
 from ._resume import BOOKKEEPING, load_file, read_agreed
+from ._step_state import StepsState, StepState
 
 
 class Checkpointer:

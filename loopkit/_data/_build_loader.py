@@ -20,7 +20,8 @@ from torch.utils.data import default_collate as _default_collate
 from .._checks import is_int_at_least
 from .._job import info
 from ._epoch_loader import EpochLoader
-from ._preload import Preloaded, batch_as_is
+from ._gather_loader import GatherLoader
+from ._preloaded import Preloaded, batch_as_is
 from ._seeding import (
     SEED_MAX,
     SEED_MIN,
@@ -75,8 +76,10 @@ def loader(
     (``prefetch_factor``, ``timeout``, ...) pass through.
 
     A ``loopkit.preload`` cache is batched by one index operation per field
-    (``Preloaded.batch``), with no workers by default; a ``collate_fn`` then receives the
-    whole batch (batch-level augmentation, under the batch's RNG key).
+    (``Preloaded.batch``), with no workers by default; without workers straight into
+    buffers handed out again once the loop holds no tensor on them, and without a reseed
+    unless a ``collate_fn`` is given: it receives the whole batch (batch-level
+    augmentation, under the batch's RNG key).
     """
 
     seed = _check_seed(seed)
@@ -146,7 +149,7 @@ def loader(
         if isinstance(dataset, Preloaded)
         else SeededBatches(dataset, collate_fn or _default_collate)
     )
-    dl = DataLoader(
+    dl = (GatherLoader if isinstance(dataset, Preloaded) else DataLoader)(
         fetched,
         batch_sampler=batches,
         collate_fn=collated,

@@ -7,7 +7,8 @@ flush in ``_exchange``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast, overload
 
@@ -19,10 +20,12 @@ from .._types import Reduction, Sink
 from . import _log_state
 from ._delivery import Delivery, as_sinks
 from ._exchange import reduce_across_ranks
-from ._reductions import REDUCTIONS, Value, reduce_local
+from ._reductions import NUMBER, REDUCTIONS, Kind, Value, reduce_local
 from ._sinks import print_sink
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_NO_KINDS: Mapping[str, Kind] = {}  # while restored values wait to move: every call checked
 
 
 class detach_logging(_log_state.LogState):
@@ -103,6 +106,7 @@ class detach_logging(_log_state.LogState):
         self._values: dict[str, list[Value]] = {}
         self._calls_since_flush = 0
         self._restored: set[str] = set()  # metrics whose values a resume put on the CPU
+        self._kinds: dict[str, Kind] = {}  # how each metric was last logged: what record appends
         self.step = 0
         """Number of ``log(...)`` calls so far."""
         self.last: dict[str, float] = {}
@@ -122,68 +126,53 @@ class detach_logging(_log_state.LogState):
                     "record metrics by keyword, log(loss=loss, acc=acc); a single positional "
                     "argument must be a function to decorate"
                 )
-            return self._decorate(fn)
+            return _decorate(self, fn)
         self.record(metrics)
         return None
 
     def record(self, metrics: Mapping[str, torch.Tensor | float]) -> None:
         """Record one value per metric (a scalar tensor or a Python number)."""
-        if not metrics:
-            raise TypeError("log() got no metrics: call it as log(loss=loss, ...)")
-        # Values a resume restored on the CPU follow the metric to its device now.
-        moved = _log_state.adopted(self._values, self._restored, metrics)
-        checked = [
-            (name, _checked(name, v, moved.get(name, self._values.get(name))))
-            for name, v in metrics.items()
-        ]
-        flushes = self.every is not None and self._calls_since_flush + 1 >= self.every
-        across = self._across_ranks() if flushes else False
-        # Stored only once every value is known good, so a bad call records nothing.
-        before = {name: self._values[name] for name in moved}
-        unmarked = self._restored.intersection(metrics)
-        self._values.update(moved)
-        self._restored -= unmarked
-        for name, value in checked:
-            self._values.setdefault(name, []).append(value)
-        self.step += 1
-        self._calls_since_flush += 1
-        if not flushes:
-            return
-        try:
-            reduced = self._reduce(self._values, across)
-        except BaseException:
-            # The flush failed before it changed anything (a collective that timed out, ranks
-            # configured differently): take this call's values back out, as if never made.
-            for name, _ in checked:
-                kept = self._values[name]
-                kept.pop()
-                if not kept:
-                    del self._values[name]
-            self._values.update(before)
-            self._restored |= unmarked
-            self.step -= 1
-            self._calls_since_flush -= 1
-            raise
-        self._deliver(reduced)
-
-    def _decorate(self, fn: F) -> F:
-        name = getattr(fn, "__name__", "value")
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            out = fn(*args, **kwargs)
-            if isinstance(out, Mapping):
-                self.record(out)
-            elif isinstance(out, (torch.Tensor, int, float)):
-                self.record({name: out})
+        since = self._calls_since_flush + 1
+        flushes = self.every is not None and since >= self.every
+        # The common call, inline (it runs every micro-step): each metric logged the same way
+        # as its last value (a 0-d tensor of the same dtype on the same device, or a Python
+        # float) is appended as it is: no device op, no host read, no check repeated. Any
+        # other value (a new metric, another kind, an int, a bad value, a value restored by a
+        # resume still to move) takes back what was appended and goes to the full checks.
+        kinds = _NO_KINDS if self._restored else self._kinds
+        values = self._values
+        taken = 0
+        for name, v in metrics.items():
+            kind = kinds.get(name)
+            if kind is None:
+                break
+            if kind is NUMBER:
+                if type(v) is not float:
+                    break
+            elif (
+                not isinstance(v, torch.Tensor)
+                or v.dtype is not kind[0]
+                or v.dim() != 0
+                or (not v.is_cpu if kind[2] else v.device != kind[1])
+            ):
+                break
+            elif v.requires_grad:  # a value that holds no graph is kept as it is
+                v = v.detach()
+            kept = values.get(name)
+            if kept is None:
+                values[name] = [v]
             else:
-                raise TypeError(
-                    f"@detach_logging: {name}() returned {type(out).__name__}; it must return "
-                    "a scalar tensor or a dict of scalar tensors to log"
-                )
-            return out
-
-        return cast(F, wrapper)  # functools.wraps gives it fn's signature
+                kept.append(v)
+            taken += 1
+        else:
+            if taken:
+                self.step += 1
+                self._calls_since_flush = since
+                if flushes:
+                    _flush_call(self, metrics, {}, set())
+                return
+        _take_back(values, itertools.islice(metrics, taken))
+        _record_checked(self, metrics, flushes)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -267,6 +256,90 @@ class detach_logging(_log_state.LogState):
 
     def __repr__(self) -> str:
         return f"detach_logging(every={self.every}, sink={self.sink!r})"
+
+
+def _record_checked(
+    self: detach_logging, metrics: Mapping[str, torch.Tensor | float], flushes: bool
+) -> None:
+    """``record`` with every value checked (and restored values moved to its device)."""
+    if not metrics:
+        raise TypeError("log() got no metrics: call it as log(loss=loss, ...)")
+    # Values a resume restored on the CPU follow the metric to its device now.
+    moved = _log_state.adopted(self._values, self._restored, metrics)
+    checked = [
+        (name, _checked(name, v, moved.get(name, self._values.get(name))))
+        for name, v in metrics.items()
+    ]
+    # Stored only once every value is known good, so a bad call records nothing.
+    before = {name: self._values[name] for name in moved}
+    unmarked = self._restored.intersection(metrics)
+    self._values.update(moved)
+    self._restored -= unmarked
+    for name, value in checked:
+        self._values.setdefault(name, []).append(value)
+    self.step += 1
+    self._calls_since_flush += 1
+    if flushes:
+        _flush_call(self, [name for name, _ in checked], before, unmarked)
+    kinds = self._kinds
+    for name, value in checked:
+        if isinstance(value, torch.Tensor):
+            kinds[name] = (value.dtype, value.device, value.device.type == "cpu")
+        else:
+            kinds[name] = NUMBER
+
+
+def _flush_call(
+    self: detach_logging,
+    names: Iterable[str],
+    before: Mapping[str, list[Value]],
+    unmarked: set[str],
+) -> None:
+    """The flush of the call that just recorded ``names``; if it fails, that call is taken
+    back (``before``: the values it replaced, ``unmarked``: metrics it took off
+    ``_restored``), as if never made."""
+    try:
+        reduced = self._reduce(self._values, self._across_ranks())
+    except BaseException:
+        # The flush failed before it changed anything (a collective that timed out, ranks
+        # configured differently): take this call's values back out, as if never made.
+        _take_back(self._values, names)
+        self._values.update(before)
+        self._restored |= unmarked
+        self.step -= 1
+        self._calls_since_flush -= 1
+        raise
+    self._deliver(reduced)
+
+
+def _decorate(self: detach_logging, fn: F) -> F:
+    """``@log``: ``fn``'s return value (a scalar, or a dict of them) is recorded."""
+    name = getattr(fn, "__name__", "value")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if isinstance(out, Mapping):
+            self.record(out)
+        elif isinstance(out, (torch.Tensor, int, float)):
+            self.record({name: out})
+        else:
+            raise TypeError(
+                f"@detach_logging: {name}() returned {type(out).__name__}; it must return "
+                "a scalar tensor or a dict of scalar tensors to log"
+            )
+        return out
+
+    return cast(F, wrapper)  # functools.wraps gives it fn's signature
+
+
+def _take_back(values: dict[str, list[Value]], names: Iterable[str]) -> None:
+    """Remove the last value of each of ``names`` (a call taken back), and emptied lists."""
+    for name in names:
+        kept = values[name]
+        kept.pop()
+        if not kept:
+            del values[name]
 
 
 def _checked(name: object, v: object, previous: list[Value] | None) -> Value:

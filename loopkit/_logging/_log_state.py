@@ -24,7 +24,7 @@ from .._errors import CheckpointError
 from .._sync_points import expected_sync
 from ._delivery import Delivery
 from ._exchange import _moved
-from ._reductions import HowOf, Value
+from ._reductions import HowOf, Kind, Value
 
 Pending = dict[str, list[Value]]
 """The values recorded since the last flush, by metric."""
@@ -42,6 +42,7 @@ class LogState:
     _calls_since_flush: int
     _values: Pending
     _restored: set[str]  # metrics whose values a resume put on the CPU
+    _kinds: dict[str, Kind]  # how each metric was last logged (detach_logging's fast path)
     _delivery: Delivery
 
     _how: HowOf  # detach_logging's method: a metric's reduction
@@ -74,6 +75,7 @@ class LogState:
         self._delivery.load_state_dict(sinks)
         self.step, self._calls_since_flush, self._values = calls, since, values
         self._restored = set(values)
+        self._kinds.clear()  # the next value of each metric is checked against the loaded ones
 
     def _checked(self, state: object) -> tuple[int, int, Pending, list[Any]]:
         """A saved state's count, interval and sink states, checked against this log."""
@@ -98,7 +100,10 @@ class LogState:
         """Put back what ``snapshot`` took (a resume that failed after loading this log)."""
         self.step, self._calls_since_flush, values, restored, sinks = snapshot
         self._delivery.load_state_dict(sinks)
-        self._values, self._restored = dict(values), set(restored)
+        # Copies: the log appends to its lists, and the snapshot may be restored again.
+        self._values = {name: list(vals) for name, vals in values.items()}
+        self._restored = set(restored)
+        self._kinds.clear()  # the next value of each metric is checked against these
 
 
 def saved(calls: int, since_flush: int, values: Mapping[str, Sequence[Value]]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 import torch
 
@@ -21,44 +21,44 @@ Values: TypeAlias = "Mapping[str, Sequence[Value]]"
 """The values recorded since the last flush, by metric: all tensors or all floats."""
 HowOf: TypeAlias = "Callable[[str], str]"
 """The reduction of a metric, by name."""
-
-
-def tensors(vals: Sequence[Value]) -> list[torch.Tensor]:
-    """A metric's values as tensors (a metric is logged the same way every call)."""
-    return [v for v in vals if isinstance(v, torch.Tensor)]
-
-
-def numbers(vals: Sequence[Value]) -> list[float]:
-    """A metric's values as Python floats (a metric is logged the same way every call)."""
-    return [v for v in vals if not isinstance(v, torch.Tensor)]
+Kind: TypeAlias = "tuple[torch.dtype, torch.device, bool] | tuple[None, None, None]"
+"""How a metric was last recorded: a 0-d tensor's dtype, device and whether that is the
+CPU (the cheapest check), or ``NUMBER``."""
+NUMBER: Kind = (None, None, None)
+"""The kind of a metric recorded as a Python float (compared by identity)."""
 
 
 def reduce_local(values: Values, how: HowOf) -> dict[str, float]:
-    """Every metric reduced on its device, then read in one transfer per device."""
-    out: dict[str, float] = {}
-    on_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, vals in values.items():
-        h = how(name)
-        if isinstance(vals[0], torch.Tensor):
-            t = stacked(tensors(vals))
-            on_device.setdefault(t.device, []).append((name, reduce_tensor(t, h)))
+    """Every metric reduced as one rank's ``(count, statistic)`` merged alone (the same
+    arithmetic as a cross-rank flush), the statistics read in one transfer per device."""
+    stats = partials(values, how)
+    read: dict[str, float] = {}
+    on_device: dict[torch.device, list[str]] = {}
+    for name, (_, stat) in stats.items():
+        if isinstance(stat, torch.Tensor):
+            on_device.setdefault(stat.device, []).append(name)
         else:
-            out[name] = merge(h, [(len(vals), partial_floats(numbers(vals), h))])
-    for pairs in on_device.values():
+            read[name] = stat
+    for names in on_device.values():
+        tensors = [cast(torch.Tensor, stats[name][1]) for name in names]
         # Host-device sync: the one read per flush (per device holding metrics).
-        floats = torch.stack([t for _, t in pairs]).tolist()
-        out.update(zip([n for n, _ in pairs], floats, strict=True))
-    return {name: out[name] for name in values}
+        floats = [tensors[0].item()] if len(tensors) == 1 else torch.stack(tensors).tolist()
+        read.update(zip(names, floats, strict=True))
+    # One rank's merge: a mean is its sum over its count; the others are their statistic.
+    return {
+        name: read[name] / stats[name][0] if how(name) == "mean" else read[name] for name in values
+    }
 
 
 def partials(values: Values, how: HowOf) -> dict[str, tuple[int, Value]]:
     """Per metric, its count and this rank's statistic (a 0-d tensor or a float)."""
     out: dict[str, tuple[int, Value]] = {}
     for name, vals in values.items():
+        # A metric's values are all tensors or all floats (checked as they are recorded).
         if isinstance(vals[0], torch.Tensor):
-            out[name] = (len(vals), partial_tensor(stacked(tensors(vals)), how(name)))
+            out[name] = (len(vals), partial_tensor(cast("list[torch.Tensor]", vals), how(name)))
         else:
-            out[name] = (len(vals), partial_floats(numbers(vals), how(name)))
+            out[name] = (len(vals), partial_floats(cast("list[float]", vals), how(name)))
     return out
 
 
@@ -70,29 +70,30 @@ def wide_dtype(device: torch.device) -> torch.dtype:
 def stacked(vals: list[torch.Tensor]) -> torch.Tensor:
     """The 0-d values as one wide 1-D tensor (each converted first if their dtypes differ)."""
     wide = wide_dtype(vals[0].device)
-    first = vals[0].dtype
-    if all(v.dtype == first for v in vals):
+    if _one_dtype(vals):
         return torch.stack(vals).to(wide)
     # torch.stack would promote to a common dtype first (int64 with float32 -> float32).
     return torch.stack([v.to(wide) for v in vals])
 
 
-def reduce_tensor(t: torch.Tensor, how: str) -> torch.Tensor:
-    """The final value of one metric on its device (``t`` is already wide)."""
-    if how == "mean":
-        return t.mean()
-    return partial_tensor(t, how)
-
-
-def partial_tensor(t: torch.Tensor, how: str) -> torch.Tensor:
-    """One rank's statistic for a cross-rank merge: a mean travels as its sum."""
+def partial_tensor(vals: list[torch.Tensor], how: str) -> torch.Tensor:
+    """One rank's statistic of a metric's 0-d values, wide, on their device: a mean travels
+    as its sum; ``max``/``min`` propagate NaN. Two device ops for a mean or a sum."""
+    if how == "last":
+        return vals[-1].to(wide_dtype(vals[0].device))
     if how in ("mean", "sum"):
-        return t.sum()
-    if how == "max":
-        return t.max()  # torch.max propagates NaN
-    if how == "min":
-        return t.min()
-    return t[-1]
+        if _one_dtype(vals):
+            # Widened as it sums (each value converted, then added: the same as widening
+            # the stack first, without the widened copy).
+            return torch.stack(vals).sum(dtype=wide_dtype(vals[0].device))
+        return stacked(vals).sum()
+    t = stacked(vals)
+    return t.max() if how == "max" else t.min()  # torch.max/min propagate NaN
+
+
+def _one_dtype(vals: list[torch.Tensor]) -> bool:
+    first = vals[0].dtype
+    return all(v.dtype is first for v in vals)
 
 
 def partial_floats(vals: list[float], how: str) -> float:

@@ -71,11 +71,23 @@ def _wandb_files(tmp: Path, run_id: str) -> list[Path]:
     return [f for d in sorted(folders) for f in d.glob("run-*.wandb")]
 
 
+def _wandb_settled(path: Path, timeout: float = 30.0) -> list[Any]:
+    """The records of an offline run file once W&B's writer (a process of its own, which
+    ``finish()`` does not always wait for under load) has written its exit record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(_wandb_records(path))
+        done = any(r.WhichOneof("record_type") == "exit" for r in records)
+        if done or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
 def _wandb_history(path: Path) -> list[dict[str, float]]:
     """The metric rows of one offline run file, with their `_step`, in order (the run's own
     bookkeeping, rows without a metric, left out)."""
     rows = []
-    for r in _wandb_records(path):
+    for r in _wandb_settled(path):
         if r.WhichOneof("record_type") != "history":
             continue
         items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
