@@ -136,6 +136,23 @@ CONTROL_SECONDS: list[float] = []
 """Seconds per micro-step spent in until.check() and cadence.due(), one entry per run."""
 
 
+class TimedLog(loopkit.detach_logging):
+    """A detach_logging whose recording is timed where it runs (into LOG_SECONDS)."""
+
+    spent = 0.0
+
+    def record(self, metrics: Any) -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        t1 = clock()  # the timer's own cost: subtracted below
+        super().record(metrics)
+        TimedLog.spent += (clock() - t1) - (t1 - t0)
+
+
+LOG_SECONDS: list[float] = []
+"""Seconds per micro-step spent recording the log (the record call, flushes included)."""
+
+
 def loopkit_logged(
     model: nn.Module,
     data: list[Batch],
@@ -143,19 +160,24 @@ def loopkit_logged(
     prec: str,
     clip: float | None,
     tracked: bool = False,
+    logged: bool = True,
 ) -> None:
     """loopkit.step over step.iterate with its loss logged every 50 micro-steps; ``tracked``
-    adds a CSV tracker sink and the progress display (tqdm, drawn to /dev/null)."""
+    adds a CSV tracker sink and the progress display (tqdm, drawn to /dev/null);
+    ``logged=False``: the same loop without ``log=`` (what iterate costs alone)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null:
         sink = loopkit.CSVSink(os.path.join(tmp, "m.csv")) if tracked else None
-        log = loopkit.detach_logging(every=50, sink=sink)
+        log = TimedLog(every=50, sink=sink) if logged else None
+        TimedLog.spent = 0.0
         step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip, log=log)
         batches = [data[i % len(data)] for i in range(steps)]
         with contextlib.redirect_stderr(null):
             for x, y in step.iterate(batches, progress=tracked):
                 with step as s:
                     s.backward(nn.functional.mse_loss(model(x), y))
+        if logged and not tracked:
+            LOG_SECONDS.append(TimedLog.spent / steps)
 
 
 def accelerate_loop(
@@ -294,6 +316,7 @@ def loopkit_ema(
 
 
 LOOP_CONTROL = "loopkit.step + until + cadence"
+ITERATED = "loopkit.step + iterate"
 LOGGED, TRACKED = "loopkit.step + iterate + log", "loopkit.step + iterate + log + CSV + progress"
 HAND_FULL, FULL = "hand-written, full stack", "loopkit, full stack"
 CONTENDERS: dict[str, Runner] = {
@@ -302,6 +325,7 @@ CONTENDERS: dict[str, Runner] = {
     "loopkit.step": loopkit_step,
     "loopkit.step + doctor": functools.partial(loopkit_step, with_doctor=True),
     LOOP_CONTROL: functools.partial(loopkit_step, with_loop_control=True),
+    ITERATED: functools.partial(loopkit_logged, logged=False),
     LOGGED: loopkit_logged,
     TRACKED: functools.partial(loopkit_logged, tracked=True),
     "loopkit.step + ema": loopkit_ema,
@@ -310,8 +334,8 @@ CONTENDERS: dict[str, Runner] = {
     "accelerate": accelerate_loop,
     "fabric": fabric_loop,
 }
-LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL, LOGGED, TRACKED,
-           "loopkit.step + ema")  # fmt: skip
+LOOPKIT = ("loopkit pieces", "loopkit.step", "loopkit.step + doctor", LOOP_CONTROL, ITERATED,
+           LOGGED, TRACKED, "loopkit.step + ema")  # fmt: skip
 
 
 def available() -> dict[str, str | None]:
@@ -402,8 +426,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             check_parity(model_name, prec, clip)
             steps, repeats = plan[model_name]
             CONTROL_SECONDS.clear()
+            LOG_SECONDS.clear()
             us = bench(model_name, prec, steps, repeats, clip, names)
             control_us = statistics.median(CONTROL_SECONDS) * 1e6
+            record_us = statistics.median(LOG_SECONDS) * 1e6
             for name in CONTENDERS:
                 row: dict[str, Any] = {"model": model_name, "precision": prec, "contender": name}
                 if name in us:
@@ -417,7 +443,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     if name == FULL:  # the whole stack against the same stack by hand
                         row["ratio_to_hand_full"] = round(us[name] / us[HAND_FULL], 4)
                         row["pieces_us"] = {
-                            "log": round(us[LOGGED] - us["loopkit.step"], 2),
+                            "iterate": round(us[ITERATED] - us["loopkit.step"], 2),
+                            "log": round(us[LOGGED] - us[ITERATED], 2),
+                            "log's recording (timed inside)": round(record_us, 3),
                             "CSV + progress": round(us[TRACKED] - us[LOGGED], 2),
                             "ema": round(us["loopkit.step + ema"] - us["loopkit.step"], 2),
                             "until + cadence (timed inside)": round(control_us, 3),

@@ -58,6 +58,7 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             "loopkit.step",
             "loopkit.step + doctor",
             "loopkit.step + until + cadence",
+            "loopkit.step + iterate",
             "loopkit.step + iterate + log",
             "loopkit.step + iterate + log + CSV + progress",
             "loopkit.step + ema",
@@ -80,8 +81,10 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
         full = r["contender"] == "loopkit, full stack"  # parity with the hand stack held
         assert ("ratio_to_hand_full" in r) == full
         if full:
-            assert set(r["pieces_us"]) == {"log", "CSV + progress", "ema",
-                                           "until + cadence (timed inside)"}  # fmt: skip
+            assert set(r["pieces_us"]) == {
+                "iterate", "log", "log's recording (timed inside)", "CSV + progress", "ema",
+                "until + cadence (timed inside)"}  # fmt: skip
+            assert r["pieces_us"]["log's recording (timed inside)"] > 0
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
     png = tmp_path / "overhead.png"

@@ -38,7 +38,7 @@ _UINT8_SCALE = 1.0 / 255.0
 class Mover:
     """One configured transfer: built once, applied to every batch."""
 
-    __slots__ = ("channels_last", "device", "mean", "non_blocking", "std", "uint8_dtype")
+    __slots__ = ("_as_is", "channels_last", "device", "mean", "non_blocking", "std", "uint8_dtype")
 
     def __init__(
         self,
@@ -81,6 +81,8 @@ class Mover:
         if not isinstance(channels_last, bool):
             raise TypeError(f"channels_last must be True or False, got {channels_last!r}")
         self.channels_last = channels_last
+        # Nothing to convert: a tensor already on the device is handed out as it is.
+        self._as_is = uint8_to is None and not channels_last
 
     def _channel_stats(
         self, normalize: object, dtype: torch.dtype | None
@@ -106,6 +108,8 @@ class Mover:
         )
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if self._as_is and t.device == self.device:  # per tensor per batch: no .to() call
+            return t
         nb = self.non_blocking
         if nb is None:
             # Non-blocking only helps host-to-accelerator copies from pinned memory, and is only

@@ -170,6 +170,29 @@ def _sizes(node: object, out: set[int]) -> None:
         _sizes(child, out)
 
 
+def quick_size(batch: object) -> int | None:
+    """The sample count of the batches most loaders make, without a full read: a tensor, or a
+    tuple, list or dict of tensors sharing their first dimension (``read`` reads them so);
+    None for anything else."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if type(batch) in (tuple, list):
+        parts: Any = batch
+    elif type(batch) is dict:
+        parts = batch.values()
+    else:
+        return None
+    size = None
+    for part in parts:
+        if not isinstance(part, torch.Tensor) or not part.dim():
+            return None
+        if size is None:
+            size = int(part.shape[0])
+        elif part.shape[0] != size:
+            return None
+    return size
+
+
 def read(batch: object, hint: int | None = None, before: Layout | None = None) -> Layout | None:
     """The batch's layout (None where nothing in it has a size). ``hint``: the loader's batch
     size; ``before``: the layout of the batch before. A tie they cannot break is refused."""
@@ -186,8 +209,13 @@ def read(batch: object, hint: int | None = None, before: Layout | None = None) -
     if len(best) > 1:
         by_hint = [r for r in best if r.size == hint]
         by_before = [r for r in best if before is not None and r.cut == before.cut]
-        most = max(len(r.cut) for r in best)
-        best = by_hint or by_before or [r for r in best if len(r.cut) == most]
+        # default_collate lays a batch out as fields: a one-tensor sample (TensorDataset(x))
+        # comes as ``[x]``, which reads as one sample as well as ``len(x)``; the reading with
+        # the fewest lists taken as samples is the collated one.
+        fewest = min(len(r.samples) for r in best)
+        as_fields = [r for r in best if len(r.samples) == fewest]
+        most = max(len(r.cut) for r in as_fields)
+        best = by_hint or by_before or [r for r in as_fields if len(r.cut) == most]
     if len(best) > 1:
         said = "; ".join(f"{r.size} ({', '.join(_said(p) for p in sorted(r.cut, key=str)[:3])})"
                          for r in best)  # fmt: skip

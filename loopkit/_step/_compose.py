@@ -23,11 +23,12 @@ from .._devices import model_device, resolve_device, same_device
 from .._ema import _average
 from .._logging import _detach
 from .._observe import _doctor
-from .._parallel._grad_sync import no_sync, sync_kind, unwrap
+from .._parallel._grad_sync import unwrap
 from .._precision import autocast_step
 from .._tracing import EagerUnderCompile, eagerly
 from .._types import DeviceLike, PrecisionLike, Weight
 from . import _accumulate, _feed, _micro_batch
+from ._frozen import Frozen
 
 T = TypeVar("T")
 
@@ -77,6 +78,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
     step): no gradient and no DDP all-reduce inside its micro-steps, ``requires_grad``
     restored on exit. ``compile_optimizer=True`` (or torch.compile's keywords): the
     optimizer's step compiled once, with tensor lrs (a scheduler causes no recompile).
+    ``non_blocking``, ``uint8_to``, ``normalize`` and ``channels_last`` are
+    ``loopkit.to_device``'s, applied to each batch ``iterate``/``s.to_device`` moves.
     """
 
     def __init__(
@@ -109,7 +112,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         chunks = _micro_batch.Chunks(micro_batch)  # checks micro_batch=
         if doctor is not None and not isinstance(doctor, _doctor.doctor):
             raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
-        self._frozen = _Frozen(frozen, optimizer)
+        self._frozen = Frozen(frozen, optimizer)
         self.device: torch.device = _target_device(model, device)
         self.amp = autocast_step(precision, device_type=self.device.type)
         self.log: _detach.detach_logging | None = _make_log(log)
@@ -135,7 +138,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         self._autocast_on = self.amp.precision != "fp32"
         self._in_autocast = False
         self._loss: torch.Tensor | None = None
-        self._extra: dict[str, Any] = {}
+        self._extra: dict[str, Any] | None = None  # log_metrics's, made on its first call
         self._weight: Weight | None = None  # the micro-step's weight= (its log record's)
 
     # -- the micro-step: the composition order, one line per middleware ----------------------
@@ -149,7 +152,9 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         #    non-final one enters no_sync before the forward, where DDP decides to all-reduce.
         try:
             self.chunks.check_entry()  # a GAN member with micro_batch= needs step.split
-            self.accumulator.__enter__()
+            # Its own _enter/_backward/_exit: this step's entry points already ran eagerly
+            # (_tracing), so the accumulator's need not ask again.
+            self.accumulator._enter()
         except BaseException as err:
             if doc is not None:  # nothing of this micro-step stays entered
                 doc.__exit__(type(err), err, err.__traceback__)
@@ -177,7 +182,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
             self._in_autocast = False
             self.amp.__exit__(None, None, None)
         self._weight = self._weight if self.accumulator._did_backward else weight  # its record's
-        self.accumulator.backward(loss, _feed.chunk_weight(self, weight), **autograd)
+        self.accumulator._backward(loss, _feed.chunk_weight(self, weight), **autograd)
         if self.log is not None:
             detached = loss.detach()
             self._loss = detached if self._loss is None else self._loss + detached
@@ -186,6 +191,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         """Add metrics to this micro-step's log record (needs ``log=``)."""
         if self.log is None:
             raise RuntimeError("this step has no log: build it with log=N or log=detach_logging()")
+        if self._extra is None:
+            self._extra = {}
         self._extra.update(metrics)
 
     def _exit(
@@ -197,7 +204,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         doc = self.doctor
         # The record is taken out first: whatever fails, none of it is logged by the next.
         loss, extra, weight = self._loss, self._extra, self._weight
-        self._loss, self._extra, self._weight = None, {}, None
+        self._loss, self._extra, self._weight = None, None, None
         try:
             try:
                 # 6. autocast_step exits if backward did not already leave it.
@@ -210,19 +217,14 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
                     self._frozen.thaw()
                 finally:
                     # 8. accumulate closes the micro-step; on a window's last, the update.
-                    with _phase(doc, "optimizer" if self.accumulator.ends_window else None):
-                        self.accumulator.__exit__(exc_type, exc, tb)
+                    if doc is None:
+                        self.accumulator._exit(exc_type, exc, tb)
+                    else:
+                        with _phase(doc, "optimizer" if self.accumulator.ends_window else None):
+                            self.accumulator._exit(exc_type, exc, tb)
             # 9. detach_logging records the detached loss and metrics (never of a failure).
-            log = self.log
-            if log is not None and exc_type is None:
-                if loss is not None:
-                    extra["loss"] = loss
-                # A chunk of a batch (micro_batch=) adds to its batch's record, logged once
-                # the batch is done: the log counts and averages whole batches.
-                record = self.chunks.batch_record(extra, log._how, weight)
-                if record:
-                    with _phase(doc, "logging"):
-                        log.record(record)
+            if self.log is not None and exc_type is None:
+                _record(self, self.log, loss, extra, weight)
         finally:
             # 10. doctor: the step's clock stops.
             if doc is not None:
@@ -309,45 +311,26 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         return f"loopkit.step(precision={self.amp.precision!r}, {said})"
 
 
-class _Frozen:
-    """Modules a step trains through but does not update, frozen for each micro-step."""
-
-    def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(modules, nn.Module) or not all(isinstance(m, nn.Module) for m in modules):
-            raise TypeError(
-                f"frozen must be a list of nn.Modules, e.g. frozen=[discriminator], got {modules!r}"
-            )
-        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        params = list({id(p): p for m in modules for p in m.parameters()}.values())
-        clash = [p for p in params if id(p) in own]
-        if clash:
-            raise ValueError(
-                f"frozen modules hold {len(clash)} parameter(s) this step's optimizer updates: "
-                "a step cannot freeze what it trains; freeze only the other model's modules"
-            )
-        self.params = params
-        self._syncs = [no_sync(m) for m in modules if sync_kind(m) != "none"]
-        self._saved: list[bool] | None = None
-
-    def freeze(self) -> None:
-        if not self.params:
-            return
-        self._saved = [p.requires_grad for p in self.params]
-        for p in self.params:
-            p.requires_grad_(False)
-        for s in self._syncs:  # a frozen DDP model's forward must not prepare a reduction
-            s.__enter__()
-
-    def thaw(self) -> None:
-        saved, self._saved = self._saved, None
-        if saved is None:
-            return
-        try:
-            for s in reversed(self._syncs):
-                s.__exit__(None, None, None)
-        finally:
-            for p, flag in zip(self.params, saved, strict=True):
-                p.requires_grad_(flag)
+def _record(
+    step: step, log: _detach.detach_logging, loss: torch.Tensor | None,
+    extra: dict[str, Any] | None, weight: Weight | None,
+) -> None:  # fmt: skip
+    """A micro-step's log record: its loss (detached in backward) and ``log_metrics``."""
+    if extra is None:
+        extra = {} if loss is None else {"loss": loss}
+    elif loss is not None:
+        extra["loss"] = loss
+    doc = step.doctor
+    if step.chunks.share is None and doc is None:
+        if extra:  # the usual micro-step, every one: nothing else to do
+            log.record(extra)
+        return
+    # A chunk of a batch (micro_batch=) adds to its batch's record, logged once the batch
+    # is done: the log counts and averages whole batches.
+    record = step.chunks.batch_record(extra, log._how, weight)
+    if record:
+        with _phase(doc, "logging"):
+            log.record(record)
 
 
 _NOTHING = contextlib.nullcontext()  # reusable: no allocation per micro-step

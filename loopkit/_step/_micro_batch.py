@@ -31,6 +31,9 @@ T = TypeVar("T")
 def leading_size(batch: object) -> int:
     """The batch's sample count (0 if nothing in it has a size), as ``_batch_layout`` reads
     it; a tie between sizes is read as the first (counting only: cutting refuses it)."""
+    quick = _batch_layout.quick_size(batch)  # per batch: the usual layouts without a full read
+    if quick is not None:
+        return quick
     try:
         layout = _batch_layout.read(batch)
     except ValueError:

@@ -778,3 +778,46 @@ def test_the_log_of_sums_maxima_and_token_means_is_the_whole_batchs(weighted: bo
     assert len(whole) == len(chunked) == 2
     for a, b in zip(whole, chunked, strict=True):
         assert b == pytest.approx(a, rel=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 32])
+def test_a_one_tensor_dataset_batch_counts_and_splits_by_its_rows(n: int) -> None:
+    """``TensorDataset(x)`` batches come as ``[x]``: counted as ``len(x)`` samples, not one,
+    and ``micro_batch=`` cuts ``x`` into chunks whose update is the whole batch's."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(3 * n, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=n)
+    ref, model = mlp(), mlp()
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for (x,) in loader:
+        (ref(x).pow(2).mean() / 3).backward()
+    ref_opt.step()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3,
+                        micro_batch=max(1, n // 2))  # fmt: skip
+    for (x,) in step.iterate(loader):
+        with step as s:
+            s.backward(model(x).pow(2).mean())
+    assert step.seen.samples == 3 * n and step.updates == 1
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_quick_count_agrees_with_the_full_reading() -> None:
+    """``quick_size`` (iterate's per-batch count) is the size ``read`` finds, on every layout
+    it answers for, and declines the rest."""
+    from loopkit._step import _batch_layout
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape)
+
+    answered = [
+        t(5, 3), [t(32, 3)], (t(1, 3),), [t(7, 2), t(7)], (t(2, 5), t(2, 5)), [t(3, 1)] * 3,
+        {"x": t(4, 2), "y": t(4)}, {"only": t(9, 9, 9)}, (t(6), t(6, 2), t(6, 3, 3)),
+    ]  # fmt: skip
+    for batch in answered:
+        layout = _batch_layout.read(batch)
+        assert layout is not None and _batch_layout.quick_size(batch) == layout.size, batch
+    declined = [t(()), [t(5), t(6)], [], {"x": t(3), "n": 3}, ["a", "b"], ((t(2), t(2)),)]
+    for batch in declined:
+        assert _batch_layout.quick_size(batch) is None, batch
