@@ -8,20 +8,23 @@ graph, a ragged accumulation window that is never stepped, and more. Each findin
 why it costs and the loopkit line that fixes it.
 
 The heuristics prefer silence to noise: a rule fires only on a pattern it can see whole in
-one file. ``# loopkit: ignore`` (or ``# loopkit: ignore[LK002,LK007]``) on a line silences
-it. Nothing here imports torch, so a CI job can lint without installing it.
+the files checked together (calls are followed into the functions and methods they define).
+``# loopkit: ignore`` (or ``# loopkit: ignore[LK002,LK007]``) on a line silences it. Nothing
+here imports torch, so a CI job can lint without installing it. ``--fix`` (and
+``fix_source``) rewrites the findings whose fix is mechanical and keeps the results.
 
 Layout: ``_syntax`` (pure questions about one node), ``_script`` (the script model: loops,
 scopes, grad-off regions, training steps), ``_rule`` (the ``@rule`` declaration),
 ``_rules/<theme>.py`` (the rules), ``_registry`` (collects them), ``_findings``,
-``_check`` and ``_cli``.
+``_calls`` (calls followed out of the loop), ``_check``, ``_fix`` and ``_cli``.
 """
 
 from __future__ import annotations
 
-from ._check import check_paths, check_source, iter_python_files
+from ._check import check_paths, check_source, check_sources, iter_python_files
 from ._cli import main
 from ._findings import Finding
+from ._fix import fix_source
 from ._registry import REGISTRY, markdown_table
 
 __all__ = [
@@ -29,6 +32,8 @@ __all__ = [
     "Finding",
     "check_paths",
     "check_source",
+    "check_sources",
+    "fix_source",
     "iter_python_files",
     "main",
     "markdown_table",

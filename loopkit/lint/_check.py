@@ -6,9 +6,10 @@ import ast
 import sys
 import tokenize
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
+from ._calls import Project
 from ._findings import Finding, one_per_line, unsilenced
 from ._registry import rules_for
 from ._rule import Rule
@@ -22,15 +23,35 @@ def check_source(
 
     ``select``: the codes to check (only their rules run); None, every rule on by default.
     """
-    return _check(source, path, rules_for(select))
+    script = parse(source, path)
+    Project([script])
+    return _check(script, source, rules_for(select))
 
 
-def _check(source: str, path: str, rules: Iterable[Rule]) -> list[Finding]:
+def check_sources(
+    sources: Mapping[str, str], *, select: Iterable[str] | None = None
+) -> list[Finding]:
+    """Check several scripts together, as ``check_paths`` checks a folder: ``sources`` maps
+    each one's path (``pkg/train.py``) to its text, and calls are followed across them.
+    ``select`` as in ``check_source``. Raises SyntaxError (or ValueError) naming the first
+    that does not parse."""
+    rules = rules_for(select)
+    parsed = [(parse(source, path), source) for path, source in sources.items()]
+    Project([script for script, _ in parsed])
+    return [f for script, source in parsed for f in _check(script, source, rules)]
+
+
+def parse(source: str, path: str) -> Script:
+    """The script model of one source; raises SyntaxError (or ValueError) if it does not parse."""
     with warnings.catch_warnings():
         # Invalid escape sequences and the like are the script's business, not a finding.
         warnings.simplefilter("ignore")
         tree = ast.parse(source, filename=path)
-    script = Script(tree)
+    return Script(tree, path)
+
+
+def _check(script: Script, source: str, rules: Iterable[Rule]) -> list[Finding]:
+    path = script.path
     findings = (
         Finding(
             path=path,
@@ -76,7 +97,7 @@ def check_paths(
     ``select``: the codes to check (only their rules run); None, every rule on by default.
     """
     rules = rules_for(select)
-    findings: list[Finding] = []
+    parsed: list[tuple[Script, str]] = []
     for file in iter_python_files(paths):
         name = str(file)
         try:
@@ -89,7 +110,15 @@ def check_paths(
             on_skip(name, f"cannot read: {exc}")
             continue
         try:
-            findings.extend(_check(source, name, rules))
+            parsed.append((parse(source, name), source))
         except (SyntaxError, ValueError, RecursionError) as exc:
             on_skip(name, f"cannot parse: {exc}")
+    # Checked together: a call in one file is followed into the functions of the others.
+    Project([script for script, _ in parsed])
+    findings: list[Finding] = []
+    for script, source in parsed:
+        try:
+            findings.extend(_check(script, source, rules))
+        except RecursionError as exc:
+            on_skip(script.path, f"cannot check: {exc}")
     return findings

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import sys
+import tokenize
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ._check import check_paths
+from ._check import check_paths, iter_python_files
+from ._fix import fix_source, fixable_codes
 from ._registry import REGISTRY
 
 
@@ -25,7 +29,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--select", help="comma-separated codes to check (only those run), e.g. LK001,LK002"
     )
     which.add_argument("--all", action="store_true", help="every rule, the ones off by default too")
+    parser.add_argument(
+        "--fix",
+        action="store_true",
+        help=f"rewrite the findings whose fix is mechanical ({', '.join(fixable_codes())}): "
+        "prints a unified diff; writes the files only with --write",
+    )
+    parser.add_argument("--write", action="store_true", help="with --fix: write the fixes")
     args = parser.parse_args(argv)
+    if args.write and not args.fix:
+        parser.error("--write needs --fix (it writes the fixes --fix finds)")
+    if args.fix and args.format != "text":
+        parser.error("--fix prints a diff: --format json is for findings")
 
     select: list[str] | None = list(REGISTRY) if args.all else None
     if args.select is not None:
@@ -40,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         parser.error(f"no such file or directory: {', '.join(missing)}")
 
+    if args.fix:
+        return _fix(args.paths, select, write=args.write)
     findings = check_paths(args.paths, select=select)
     if args.format == "json":
         print(json.dumps([asdict(f) for f in findings], indent=2))
@@ -52,3 +69,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print("No problems found.")
     return 1 if findings else 0
+
+
+def _fix(paths: list[str], select: list[str] | None, *, write: bool) -> int:
+    """Print each file's fixes as a unified diff (or write them): 1 if a diff was printed and
+    not written (like a check that fails until the fixes are applied), else 0."""
+    changed = 0
+    for file in iter_python_files(paths):
+        name = str(file)
+        try:
+            with open(file, "rb") as handle:
+                encoding, _ = tokenize.detect_encoding(handle.readline)
+            source = file.read_text(encoding=encoding)
+            fixed = fix_source(source, select, path=name)
+        except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            print(f"{name}: skipped, cannot parse: {exc}", file=sys.stderr)
+            continue
+        if fixed == source:
+            continue
+        changed += 1
+        if write:
+            file.write_text(fixed, encoding=encoding)
+        else:
+            diff = difflib.unified_diff(
+                source.splitlines(keepends=True),
+                fixed.splitlines(keepends=True),
+                fromfile="a/" + name.lstrip("/"),
+                tofile="b/" + name.lstrip("/"),
+            )
+            sys.stdout.writelines(diff)
+    if write:
+        print(f"Fixed {changed} file(s)." if changed else "Nothing to fix.")
+        return 0
+    if not changed:
+        print("Nothing to fix.")
+    return 1 if changed else 0

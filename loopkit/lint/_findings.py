@@ -40,7 +40,7 @@ def one_per_line(findings: Iterable[Finding]) -> list[Finding]:
 
 def unsilenced(findings: Iterable[Finding], source: str) -> list[Finding]:
     """The findings that no ``# loopkit: ignore`` comment on their line silences."""
-    ignored = _ignored_codes(source)
+    ignored = ignored_codes(source)
     kept: list[Finding] = []
     for f in findings:
         codes = ignored.get(f.line, frozenset())
@@ -49,7 +49,7 @@ def unsilenced(findings: Iterable[Finding], source: str) -> list[Finding]:
     return kept
 
 
-def _ignored_codes(source: str) -> dict[int, frozenset[str] | None]:
+def ignored_codes(source: str) -> dict[int, frozenset[str] | None]:
     """Line -> codes silenced there by a ``# loopkit: ignore`` comment (None: every code)."""
     if "loopkit:" not in source:
         return {}  # most files have none; tokenizing costs as much as all the rules

@@ -8,46 +8,80 @@ pays only for what those rules ask.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from functools import cached_property
 
+from ._branches import guarded_by_mod, in_error_exit
+from ._calls import Func, Project, Reach
+from ._flags import in_flag_branch
+from ._names import FileNames
+from ._shape import TrainingShape, training_shape
 from ._syntax import (
     FUNCS,
     LOOP_OR_SCOPE,
     SCOPES,
     callee,
     dotted,
-    has_mod,
     is_detached,
     mentions_grad_off,
     method,
     receiver,
     walk_scope,
+    walk_stmts,
 )
 
 Loop = ast.For | ast.AsyncFor | ast.While
 _ACCELERATORS = ("cuda", "mps", "xpu", "npu")
 
 
-@dataclass(frozen=True)
-class TrainingShape:
-    """Which loops and functions of a script train, found together from its backward calls."""
-
-    training: frozenset[ast.AST]  # loops with a backward call in them
-    step_loops: frozenset[ast.AST]  # loops whose every iteration is a training step
-    called_step_funcs: frozenset[ast.AST]  # one-step functions some loop calls
-
-
-class Script:
+class Script(FileNames):
     """One parsed file; the questions the rules ask about it."""
 
-    def __init__(self, tree: ast.Module) -> None:
-        self.tree = tree
-        self.parents: dict[ast.AST, ast.AST] = {}
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
+    def __init__(self, tree: ast.Module, path: str = "<string>") -> None:
+        super().__init__(tree, path)
         self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        # Set by the Project this file is checked with (the files of one run, or this one).
+        self.project: Project | None = None
+
+    # ---- calls followed (see _calls) ---------------------------------------------------
+
+    @property
+    def reached(self) -> dict[ast.AST, Reach]:
+        """Functions (of any file checked with this one) that run every training step."""
+        return self._project().per_step
+
+    def _project(self) -> Project:
+        if self.project is None:
+            Project([self])
+        assert self.project is not None
+        return self.project
+
+    def reach_of(self, node: ast.AST) -> Reach | None:
+        """How ``node``'s function is reached every step, if it is (and ``node`` is not
+        under ``if step % N`` in it); None otherwise."""
+        scope = self.scope_of(node)
+        reach = self.reached.get(scope)
+        if reach is None or self.guarded_by_mod(node, scope):
+            return None
+        return reach
+
+    def in_flag_branch(self, node: ast.AST, func: ast.AST) -> bool:
+        """Whether ``node`` runs only when a parameter of ``func`` defaulting to False/None
+        is set, and only calls off the training step set it (see _calls)."""
+        return in_flag_branch(self._project(), self, node, func)
+
+    def resolve_reference(self, ref: ast.Name | ast.Attribute) -> tuple[Script, Func] | None:
+        """The function a name refers to without a call (``collate_fn=utils.collate``)."""
+        return self._project().resolve_reference(self, ref)
+
+    def runs_once(self, node: ast.AST) -> bool:
+        """Whether ``node`` runs once per run, outside every training loop (see _calls)."""
+        return self._project().runs_once(self, node)
+
+    def callers(
+        self, func: ast.FunctionDef | ast.AsyncFunctionDef
+    ) -> list[tuple[Script, ast.Call]]:
+        """The calls, in the files checked with this one, that run ``func``."""
+        return self._project().callers(self, func)
 
     def calls_to(self, name: str) -> list[ast.Call]:
         """Calls whose callee's last name is ``name``: ``torch.utils.data.DataLoader(...)``."""
@@ -74,23 +108,14 @@ class Script:
             child, parent = parent, self.parents.get(parent)
         return loops
 
-    def scope_of(self, node: ast.AST) -> ast.AST:
-        parent = self.parents.get(node)
-        while parent is not None and not isinstance(parent, SCOPES):
-            parent = self.parents.get(parent)
-        return parent if parent is not None else self.tree
-
     def guarded_by_mod(self, node: ast.AST, stop: ast.AST) -> bool:
-        """True when ``node`` runs only under an ``if`` whose test has ``%`` (below ``stop``)."""
-        child, parent = node, self.parents.get(node)
-        while parent is not None and parent is not stop:
-            if isinstance(parent, ast.If) and any(s is child for s in parent.body):
-                if has_mod(parent.test):
-                    return True
-            elif isinstance(parent, ast.IfExp) and child is parent.body and has_mod(parent.test):
-                return True
-            child, parent = parent, self.parents.get(parent)
-        return False
+        """True when ``node`` runs only under an ``if`` whose test has ``%`` (below ``stop``),
+        directly or through a name bound to one (see _branches)."""
+        return guarded_by_mod(self, node, stop)
+
+    def in_error_exit(self, node: ast.AST, stop: ast.AST) -> bool:
+        """True when ``node`` is on an error path that ends the run (see _branches)."""
+        return in_error_exit(self, node, stop)
 
     def loop_body(self, loop: ast.AST) -> list[ast.AST]:
         """The nodes of ``loop`` that run once per its iteration (not in an inner loop)."""
@@ -107,10 +132,18 @@ class Script:
 
     def evaluates(self, loop: ast.AST) -> bool:
         """Whether ``loop`` is an evaluation loop: no backward in it, and autograd off around
-        it, or it is in a function named for evaluation (evaluate, estimate_loss, validate)."""
+        it or in its body, or it is in a function named for evaluation (evaluate,
+        estimate_loss, validate)."""
         if any(isinstance(n, ast.Call) and method(n) == "backward" for n in ast.walk(loop)):
             return False
         if self.grad_off(loop):
+            return True
+        # for batch in eval_loader: with torch.no_grad(): out = model(batch) ...
+        if any(
+            isinstance(n, ast.With | ast.AsyncWith)
+            and any(mentions_grad_off(i.context_expr) for i in n.items)
+            for n in walk_stmts(getattr(loop, "body", []))
+        ):
             return True
         scope = self.scope_of(loop)
         name = scope.name.lower() if isinstance(scope, FUNCS) else ""
@@ -174,34 +207,8 @@ class Script:
 
     @cached_property
     def shape(self) -> TrainingShape:
-        """Find the training loops (they contain backward) and the per-step ones among them."""
-        training: set[ast.AST] = set()
-        step_loops: set[ast.AST] = set()
-        backward = self.method_calls("backward")
-        for call in backward:
-            loops = self.loops_of(call)
-            training.update(loops)
-            if loops:
-                step_loops.add(loops[0])
-        # nanoGPT's shape: backward in an inner micro-batch loop, the update in the outer one.
-        for call in self.optimizer_steps:
-            loops = self.loops_of(call)
-            if loops and loops[0] in training:
-                step_loops.add(loops[0])
-        # A function that back-propagates outside any loop of its own is one training step.
-        step_funcs: dict[str, ast.AST] = {}
-        for call in backward:
-            scope = self.scope_of(call)
-            if isinstance(scope, FUNCS) and not self.loops_of(call):
-                step_funcs[scope.name] = scope
-        called: set[ast.AST] = set()
-        for call in self.calls:
-            func = step_funcs.get(callee(call))
-            loops = self.loops_of(call)
-            if func is not None and loops:
-                called.add(func)
-                step_loops.add(loops[0])
-        return TrainingShape(frozenset(training), frozenset(step_loops), frozenset(called))
+        """The training loops and the per-step ones among them (see _shape)."""
+        return training_shape(self)
 
     # ---- the script's context ----------------------------------------------------------
 

@@ -185,6 +185,33 @@ def device_move(call: ast.Call) -> str | None:
     return "device"
 
 
+def backward_tensor(call: ast.Call) -> ast.expr | None:
+    """The tensor a ``.backward`` call back-propagates: ``loss`` in ``loss.backward()``,
+    ``accelerator.backward(loss)``, ``scaler.scale(loss).backward()`` and
+    ``dist_autograd.backward(context_id, [loss])``."""
+    if call.args:
+        dist = (dotted(receiver(call)) or "").endswith("dist_autograd")
+        tensor: ast.expr | None = call.args[1] if dist and len(call.args) > 1 else call.args[0]
+    else:
+        tensor = receiver(call)
+    if isinstance(tensor, ast.Call) and method(tensor) == "scale" and tensor.args:
+        tensor = tensor.args[0]  # scaler.scale(loss): the loss, not the scaler
+    return tensor
+
+
 def backwarded(call: ast.Call) -> set[str]:
-    """Names in a backward call: ``loss`` in ``scaler.scale(loss).backward()``."""
-    return {n.id for n in ast.walk(call) if isinstance(n, ast.Name)}
+    """Names in the tensor a backward call back-propagates: ``loss`` in
+    ``scaler.scale(loss).backward()``, ``accelerator.backward(loss)``,
+    ``torch.autograd.backward(loss)``, ``(loss / n).backward()``; never the object whose
+    method it is (``accelerator`` is an engine, not a loss) nor a function's name."""
+    tensor = backward_tensor(call)
+    if tensor is None:
+        return set()
+    callees = {
+        id(n)
+        for c in ast.walk(tensor)
+        if isinstance(c, ast.Call)
+        for n in ast.walk(c.func)
+        if not isinstance(c.func, ast.Attribute) or n is not c.func.value
+    }
+    return {n.id for n in ast.walk(tensor) if isinstance(n, ast.Name) and id(n) not in callees}

@@ -45,6 +45,8 @@ def ragged_window(script: Script) -> Iterator[Hit]:
             for name, value in assigned_names(node)
             if value is not None
         }
+        if _skips_the_tail(loop):
+            continue
         after = script.following(loop) + list(loop.orelse)
         if any(n in steps and not _in_loop(script, n, loop) for n in walk_stmts(after)):
             continue  # the tail window is flushed after the loop (not by a later loop)
@@ -54,6 +56,27 @@ def ragged_window(script: Script) -> Iterator[Hit]:
             k = _steps_on_mod_only(node.test, divisors, definitions)
             if k is not None:
                 yield node, f"loss divided by {k} but the optimizer stepped on `% {k}` only"
+
+
+def _skips_the_tail(loop: ast.For | ast.AsyncFor | ast.While) -> bool:
+    """``if step >= steps_per_epoch: continue`` (or ``break``) at the top of the body:
+    the batches past the last whole window never reach the forward (ConvNeXt's engine)."""
+    for stmt in loop.body:
+        if (
+            isinstance(stmt, ast.If)
+            and len(stmt.body) == 1
+            and isinstance(stmt.body[0], ast.Continue | ast.Break)
+            and any(
+                isinstance(op, ast.GtE | ast.Gt)
+                for n in ast.walk(stmt.test)
+                if isinstance(n, ast.Compare)
+                for op in n.ops
+            )
+        ):
+            return True
+        if any(isinstance(n, ast.Call) and method(n) == "backward" for n in ast.walk(stmt)):
+            return False
+    return False
 
 
 def _in_loop(script: Script, node: ast.AST, outside: ast.AST) -> bool:

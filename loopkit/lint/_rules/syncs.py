@@ -6,38 +6,52 @@ import ast
 import itertools
 from collections.abc import Iterator
 
+from .._calls import Reach, qualname
 from .._rule import Hit, rule
 from .._script import Script
 from .._syntax import (
     assigned_names,
+    backward_tensor,
     callee,
     device_move,
     dotted,
     method,
     receiver,
-    root_name,
+    walk_scope,
     walk_stmts,
 )
-
-# The tensor methods that copy to the host and wait for the device.
-_SYNCS = frozenset({"item", "cpu", "numpy", "tolist"})
+from ._sync_reads import (
+    SYNCS,
+    feeds_an_environment,
+    feeds_per_sample_loop,
+    from_loader_only,
+    gradient_tensors,
+    host_built,
+    names_in,
+    reads_explicitly,
+    straight_from_loader,
+    tensor_branch_never_taken,
+    tensor_truth,
+)
 
 
 @rule(
     "LK002",
     theme="syncs",
-    flags="`.item()`/`.cpu()`/`.numpy()`/`.tolist()` every step, not under `if step % N`",
+    flags="`.item()`/`.cpu()`/`.numpy()`/`.tolist()` every step, not under `if step % N`, "
+    "also in the functions and methods a training step calls (reported with the call chain)",
     why="each one is a host-device sync that stalls the host until the GPU has caught up, "
     "every step",
     fix="log = loopkit.detach_logging(every=N); log(loss=loss)  # one sync per N steps",
 )
 def sync_every_step(script: Script) -> Iterator[Hit]:
+    yield from _syncs_in_called_functions(script)
     if not script.uses_accelerator:
         return  # a CPU-only script: reading a CPU tensor waits for nothing
     shape = script.shape
     for call in script.calls:
         name = method(call)
-        if name not in _SYNCS or call.args:
+        if name not in SYNCS or call.args:
             continue  # numpy's arr.item(0) and friends take arguments; torch's do not
         if name == "cpu" and script.uses_rpc:
             continue  # RPC sends tensors through the host: the copy is the transport
@@ -50,23 +64,43 @@ def sync_every_step(script: Script) -> Iterator[Hit]:
             if scope not in shape.called_step_funcs:
                 continue
             stop = scope
-        if script.guarded_by_mod(call, stop):
+        if script.guarded_by_mod(call, stop) or script.in_error_exit(call, stop):
+            continue  # once per N steps; an error path that ends the run (read once)
+        if isinstance(step_loop, ast.For | ast.AsyncFor) and straight_from_loader(call, step_loop):
             continue
-        if isinstance(step_loop, ast.For | ast.AsyncFor) and _straight_from_loader(call, step_loop):
+        if host_built(script, call) or feeds_an_environment(script, call):
             continue
         where = "a training loop" if step_loop is not None else "a per-step training function"
         yield call, f"`.{name}()` every step in {where}"
 
 
-def _straight_from_loader(call: ast.Call, loop: ast.For | ast.AsyncFor) -> bool:
-    """True for ``y.numpy()`` on a batch the loop gets from the loader (host memory)."""
-    root = root_name(receiver(call))
-    targets = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
-    if root is None or root not in targets:
-        return False
-    return not any(
-        name == root for node in walk_stmts(loop.body) for name, _ in assigned_names(node)
-    )
+def _syncs_in_called_functions(script: Script) -> Iterator[Hit]:
+    """LK002 through calls: a read in a function or method that a training step calls (at
+    any depth, not under ``if step % N`` anywhere on the way), reported at its own line with
+    the chain of calls that reaches it. Its own loops count too: a read per parameter is
+    one sync per parameter per step."""
+    for call in script.calls:
+        name = method(call)
+        if name not in SYNCS or call.args or (name == "cpu" and script.uses_rpc):
+            continue
+        reach = script.reach_of(call)
+        if reach is None or script.scope_of(call) in script.shape.called_step_funcs:
+            continue  # not run per step, or a step function's own read (reported above)
+        if any(loop in script.shape.step_loops for loop in script.loops_of(call)):
+            continue  # its own training loop: reported above
+        if script.in_error_exit(call, script.scope_of(call)):
+            continue  # `raise ValueError(f"... {x.item()}")`: an error path, read once
+        if tensor_branch_never_taken(script, call):
+            continue  # `if isinstance(v, Tensor): v = v.item()`, only ever given floats
+        if host_built(script, call) or feeds_an_environment(script, call):
+            continue
+        if not (script.uses_accelerator or reach.root.uses_accelerator):
+            continue
+        yield (
+            call,
+            f"`.{name}()` every step in `{qualname(script, script.scope_of(call))}`, "
+            + (reach.describe()),
+        )
 
 
 @rule(
@@ -128,7 +162,8 @@ def _moves(node: ast.AST) -> list[str]:
     "LK014",
     theme="syncs",
     flags="`.item()`/`.cpu()`/`float(t)` per batch in an evaluation loop (no backward, "
-    "autograd off or an eval function)",
+    "autograd off or an eval function) that runs periodically: per epoch, or a script that "
+    "only evaluates; not a one-off pass after training, nor a per-sample Python loop",
     why="each one waits for the device, once per evaluation batch (nanoGPT's estimate_loss: "
     "200 host syncs per evaluation)",
     fix="result = loopkit.evaluate(model, loader, fn)  # sums on the device, one read at the end",
@@ -144,26 +179,38 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
             and len(call.args) == 1
             and not isinstance(call.args[0], ast.Constant)
         )
-        if not (is_float or (name in _SYNCS and not call.args)):
+        # metric.add_batch(predictions=..., references=...) (Hugging Face evaluate) converts
+        # its device tensors to host lists: a read per batch too.
+        adds = name == "add_batch" and "metric" in (dotted(receiver(call)) or "").lower()
+        if not (is_float or adds or (name in SYNCS and not call.args)):
             continue
-        if not _of_a_metric(script, call):
+        if not adds and not _of_a_metric(script, call):
             continue  # a generated token, a picture: not what evaluate sums
         loops = script.loops_of(call)
-        if not loops or any(loop in script.shape.training for loop in loops):
-            continue
+        if not loops or any(loop in script.shape.step_loops for loop in loops):
+            continue  # in a training step: LK002's
         loop = loops[0]
-        if not script.evaluates(loop) or script.guarded_by_mod(call, loop):
+        if loop in script.shape.training or not script.evaluates(loop):
             continue
-        if isinstance(loop, ast.For | ast.AsyncFor) and _straight_from_loader(call, loop):
+        if script.guarded_by_mod(call, loop):
             continue
-        what = "float(...)" if is_float else f".{name}()"
+        if isinstance(loop, ast.For | ast.AsyncFor) and straight_from_loader(call, loop):
+            continue
+        if feeds_per_sample_loop(script, call, loops):
+            continue
+        # A one-off evaluation (before or after training, not inside its loop) costs its syncs
+        # once per run; a script that does not train at all is there to evaluate: it counts.
+        if script.shape.training and script.runs_once(loop):
+            continue
+        what = "float(...)" if is_float else f"{dotted(call.func)}(...)" if adds else f".{name}()"
         yield call, f"`{what}` per batch in an evaluation loop"
 
 
 @rule(
     "LK016",
     theme="syncs",
-    flags="Python control flow on the loss tensor every step (`if loss < best:`, `float(loss)`)",
+    flags="Python control flow on the loss tensor every step (`if loss < best:`, "
+    "`assert loss > 0`, `float(loss)`)",
     why="the branch needs the value on the host, so the host waits for the device every step",
     fix="log = loopkit.detach_logging(every=N); log(loss=loss)  # decide on the flushed values",
 )
@@ -172,39 +219,57 @@ def branch_on_loss(script: Script) -> Iterator[Hit]:
         return
     for loop in script.shape.step_loops:
         body = list(walk_stmts(getattr(loop, "body", [])))
-        # The tensors back-propagated by name in this loop (`loss.backward()`).
-        losses = {
-            r.id
-            for node in body
-            if isinstance(node, ast.Call)
-            and method(node) == "backward"
-            and isinstance(r := receiver(node), ast.Name)
-        }
-        losses -= {n for node in body for n, v in assigned_names(node) if script.holds_no_graph(v)}
+        losses = loss_names(script, body)
         for node in body:
             if script.loops_of(node)[:1] != [loop] or script.guarded_by_mod(node, loop):
                 continue
+            test = _test_of(node)
             reads = any(
-                isinstance(n, ast.Call) and (method(n) in _SYNCS or callee(n) == "float")
-                for n in ast.walk(node.test if isinstance(node, ast.If | ast.While) else node)
+                isinstance(n, ast.Call) and (method(n) in SYNCS or callee(n) == "float")
+                for n in ast.walk(test if test is not None else node)
             )  # an explicit read is LK002's
-            if isinstance(node, ast.If | ast.While) and _names(node.test) & losses and not reads:
-                yield node, f"`{ast.unparse(node.test)[:40]}`: a branch on the loss tensor"
+            if test is not None and names_in(test) & losses and not reads:
+                yield node, f"`{ast.unparse(test)[:40]}`: a branch on the loss tensor"
             elif (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id in {"float", "bool", "int"}
                 and node.args
-                and _names(node.args[0]) & losses
+                and names_in(node.args[0]) & losses
                 and not isinstance(node.args[0], ast.Call)
             ):
                 yield node, f"`{node.func.id}({ast.unparse(node.args[0])})` on the loss tensor"
 
 
+def loss_names(script: Script, body: list[ast.AST]) -> set[str]:
+    """The tensors back-propagated by name in a loop body: ``loss`` in ``loss.backward()``,
+    ``accelerator.backward(loss)`` or ``scaler.scale(loss).backward()`` (never the
+    ``accelerator``: the object whose backward it is holds no loss), less names rebound to a
+    value that holds no graph (``loss = loss.item()``)."""
+    losses: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.Call) and method(node) == "backward":
+            tensor = backward_tensor(node)
+            if isinstance(tensor, ast.List | ast.Tuple) and len(tensor.elts) == 1:
+                tensor = tensor.elts[0]  # dist_autograd.backward(cid, [loss])
+            if isinstance(tensor, ast.Name):
+                losses.add(tensor.id)
+    return losses - {
+        n for node in body for n, v in assigned_names(node) if script.holds_no_graph(v)
+    }
+
+
+def _test_of(node: ast.AST) -> ast.expr | None:
+    """What Python turns into a bool: an if/while/assert/ternary test."""
+    if isinstance(node, ast.If | ast.While | ast.Assert | ast.IfExp):
+        return node.test
+    return None
+
+
 @rule(
     "LK017",
     theme="syncs",
-    flags="`torch.cuda.synchronize()` in a training loop",
+    flags="`torch.cuda.synchronize()` every step, in a training loop or a function it calls",
     why="it stops the host until every queued kernel has finished, every step, so the host "
     "can no longer run ahead of the device",
     fix="remove it; to time the loop use loopkit.doctor(), which syncs on sampled steps only",
@@ -220,6 +285,20 @@ def synchronize_in_loop(script: Script) -> Iterator[Hit]:
             and not _opted_in(script, call, loops[0])
         ):
             yield call, f"`{ast.unparse(call.func)}()` inside a training loop"
+            continue
+        # In a function or method a training step calls (not under `% N` on the way, nor
+        # under a timing/debug flag in it): every step too. A synchronize that times a
+        # benchmark outside the loop is reached by no step.
+        reach = script.reach_of(call)
+        scope = script.scope_of(call)
+        if reach is not None and not _opted_in(script, call, scope):
+            yield (
+                call,
+                (
+                    f"`{ast.unparse(call.func)}()` every step in `{qualname(script, scope)}`, "
+                    + reach.describe()
+                ),
+            )
 
 
 def _opted_in(script: Script, node: ast.AST, stop: ast.AST) -> bool:
@@ -260,5 +339,56 @@ def _of_a_metric(script: Script, call: ast.Call) -> bool:
     return any(w in word for word in words for w in _METRIC_WORDS)
 
 
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+@rule(
+    "LK021",
+    theme="syncs",
+    flags="an implicit `bool()` of a tensor every step: `if torch.isnan(x):`, "
+    "`while t.any():`, `assert (x > 0).all()` in a training step (or a function it calls)",
+    why="Python needs the tensor's truth on the host, so the host waits for the device every "
+    "step, just like an explicit .item()",
+    fix="check on the device and read rarely: bad = torch.isnan(x).any(); "
+    "log = loopkit.detach_logging(every=N); log(nan=bad)",
+)
+def implicit_bool(script: Script) -> Iterator[Hit]:
+    seen: set[int] = set()
+    for node, losses, stop, reach in _step_nodes(script):
+        if not (script.uses_accelerator or (reach is not None and reach.root.uses_accelerator)):
+            continue  # a CPU-only script: the truth of a CPU tensor waits for nothing
+        where = "" if reach is None else f" in `{qualname(script, stop)}`, {reach.describe()}"
+        test = _test_of(node)
+        if test is None or id(node) in seen or script.guarded_by_mod(node, stop):
+            continue
+        seen.add(id(node))
+        if names_in(test) & losses or reads_explicitly(test):
+            continue  # on the loss: LK016's; an explicit .item(): LK002's
+        loop = next(iter(script.loops_of(node)), None)
+        if (
+            isinstance(loop, ast.For | ast.AsyncFor)
+            and loop in script.shape.step_loops
+            and from_loader_only(test, loop)
+        ):
+            continue  # a batch straight from the loader is in host memory
+        if tensor_truth(test, gradient_tensors(script.scope_of(node))):
+            yield (
+                node,
+                f"`{ast.unparse(test)[:40]}`: an implicit bool() of a tensor every step{where}",
+            )
+
+
+def _step_nodes(script: Script) -> Iterator[tuple[ast.AST, set[str], ast.AST, Reach | None]]:
+    """(node, loss names, where a `% N` guard would stop, how it is reached) for every node
+    that runs per step: in a step loop, a one-step function, or a function a step calls."""
+    for loop in script.shape.step_loops:
+        body = list(walk_stmts(getattr(loop, "body", [])))
+        losses = loss_names(script, body)
+        for node in body:
+            yield node, losses, loop, None
+    for func in script.shape.called_step_funcs:
+        body = list(walk_scope(func))
+        losses = loss_names(script, body)
+        for node in body:
+            yield node, losses, func, None
+    for func, reach in script.reached.items():
+        if func in script.parents:  # one of this file's functions
+            for node in walk_scope(func):
+                yield node, set(), func, reach

@@ -8,8 +8,8 @@ device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 transform = torchvision.transforms.ToTensor()
 trainset = torchvision.datasets.CIFAR10(root="./data", train=True, download=True, transform=transform)
 testset = torchvision.datasets.CIFAR10(root="./data", train=False, download=True, transform=transform)
-trainloader = torch.utils.data.DataLoader(trainset, batch_size=4, shuffle=True, num_workers=2, pin_memory=True, worker_init_fn=None, generator=torch.Generator().manual_seed(0))
-testloader = torch.utils.data.DataLoader(testset, batch_size=4, shuffle=False)  # <- LK007
+trainloader = torch.utils.data.DataLoader(trainset, batch_size=4, shuffle=True, num_workers=2, worker_init_fn=None, generator=torch.Generator().manual_seed(0))  # <- LK007
+testloader = torch.utils.data.DataLoader(testset, batch_size=4, shuffle=False)  # read once, after training: no finding
 
 net = nn.DataParallel(torchvision.models.resnet18(num_classes=10)).to(device)  # <- LK006
 criterion = nn.CrossEntropyLoss()

@@ -1,5 +1,6 @@
 # expect: LK007, LK011
-"""Shuffled loaders with workers and no generator: the data order follows the global RNG."""
+"""Shuffled loaders with workers and no generator, in a script that resumes: the data order
+follows the global RNG, so a resumed run cannot replay it."""
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -23,3 +24,10 @@ def make(data: np.ndarray):
         Jitter(data), batch_size=32, shuffle=True, num_workers=4, pin_memory=True
     )
     return train, aug, torch.device("cuda")
+
+
+def resume(model, optimizer, path: str) -> int:
+    checkpoint = torch.load(path)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return checkpoint["epoch"]
