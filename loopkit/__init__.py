@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.3.0"
 
 # public name -> the private module that defines it
 _WHERE: dict[str, str] = {
@@ -51,6 +51,7 @@ _WHERE: dict[str, str] = {
     "CheckpointError": "_errors",
     "LoopkitError": "_errors",
     "OpenWindowWarning": "_errors",
+    "ResumeWarning": "_errors",
     "SinkFailedWarning": "_errors",
     "UnwrappedModelWarning": "_errors",
     "DeviceLike": "_types",
@@ -99,6 +100,7 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._errors import CheckpointError as CheckpointError
     from ._errors import LoopkitError as LoopkitError
     from ._errors import OpenWindowWarning as OpenWindowWarning
+    from ._errors import ResumeWarning as ResumeWarning
     from ._errors import SinkFailedWarning as SinkFailedWarning
     from ._errors import UnwrappedModelWarning as UnwrappedModelWarning
     from ._logging._csv_sink import CSVSink as CSVSink

@@ -112,6 +112,7 @@ def setup(backend: str | None = None, *, timeout: datetime.timedelta | None = No
 
     Backend ``nccl`` with CUDA, ``gloo`` otherwise; with CUDA each process uses the GPU
     of its local rank. ``with setup() as info:`` tears the group down on exit.
+    ``backend`` overrides that choice; ``timeout``: the process group's, a timedelta.
     """
     env = _launch_env()
     if env is None or dist.is_initialized():

@@ -137,6 +137,7 @@ class autocast_step(EagerUnderCompile, contextlib.ContextDecorator):
     update happened. For bf16 and fp32 these are plain ``loss.backward()`` and
     ``optimizer.step()``, so a loop written once runs in every precision. fp32 enters no
     autocast at all.
+    ``device_type``: default the accelerator, else cpu; ``scaler``: fp16's GradScaler or its kwargs.
     """
 
     def __init__(

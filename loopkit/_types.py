@@ -17,6 +17,7 @@ Weight: TypeAlias = "float | int | torch.Tensor"
 """A micro-batch's weight in its window: its sample or token count (a number or 0-d tensor)."""
 
 Precision: TypeAlias = Literal["bf16", "fp16", "fp32"]
+"""A precision by name; ``precision=`` also takes ``torch.bfloat16``/``float16``/``float32``."""
 PrecisionLike: TypeAlias = "Precision | str | torch.dtype"
 
 Reduction: TypeAlias = Literal["mean", "sum", "max", "min", "last"]

@@ -489,6 +489,10 @@ def ema_fsdp2(info: distributed.DistInfo) -> dict[str, Any]:
     with average.swapped():
         inside = {k: v.full_tensor() for k, v in model.state_dict().items()}
     after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    exported = average.export()  # gathered whole on every rank
+    export_equal = list(exported) == list(inside) and all(
+        torch.equal(exported[k], inside[k]) for k in inside
+    )
     swapped_in = max((inside[n] - full[n]).abs().max().item() for n in full)
     restored = all(torch.equal(after[k], training[k]) for k in training)
     where = Path(sys.argv[1]) / "ema_dcp"
@@ -505,6 +509,7 @@ def ema_fsdp2(info: distributed.DistInfo) -> dict[str, Any]:
         "extra_collectives": len(calls) - len(plain_calls),
         "swapped_in": swapped_in,
         "restored": restored,
+        "export_equal": export_equal,
         "dcp_equal": fresh.updates == average.updates
         and all(torch.equal(a, b) for a, b in zip(fresh.shadow, average.shadow, strict=True)),
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,18 @@ def _saved_step_checkpoint(tmp: Path, every: int = 2, precision: str = "fp32") -
     return path
 
 
+def _adopt_after_checkpoint(tmp: Path) -> None:
+    _saved_step_checkpoint(tmp, every=1)
+    m, o = _model_opt()
+    loopkit.Checkpointer(tmp, model=m, optimizer=o, step=loopkit.step(m, o)).adopt(updates=5)
+
+
+def _ema_adopt_missing(model: nn.Module) -> None:
+    saved = dict(model.state_dict())
+    saved.pop(next(iter(saved)))
+    loopkit.ema(model).adopt(saved, updates=3)
+
+
 def _resume_with(tmp: Path, **step_kw: Any) -> None:
     path = _saved_step_checkpoint(tmp)
     m, o = _model_opt()
@@ -354,6 +367,22 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("the same ema twice", lambda t: _same_ema_twice(), ValueError, "the same ema is given twice"),
     ("ema swapped into another model", lambda t: _ema_swapped_elsewhere(), ValueError,
      "same architecture"),
+    ("ema export dtype not a dtype", lambda t: loopkit.ema(mlp()).export(dtype="fp32"),
+     TypeError, "dtype must be None or a torch.dtype"),
+    ("ema adopt without a parameter", lambda t: _ema_adopt_missing(mlp()), ValueError,
+     "pass the job's whole model state_dict of its average"),
+    ("ema adopt negative updates", lambda t: (lambda m: loopkit.ema(m).adopt(m.state_dict(),
+     updates=-1))(mlp()), ValueError, "the job's optimizer updates"),
+    ("checkpointer epochs of no epochs", lambda t: _checkpointer(t).epochs(0), ValueError,
+     "the run's number of epochs, an int >= 1"),
+    ("checkpointer epochs without a loader", lambda t: _checkpointer(t).epochs(3), ValueError,
+     "build it with loader=loopkit.distributed.loader"),
+    ("checkpointer adopt without a step", lambda t: _checkpointer(t).adopt(updates=3),
+     ValueError, "build it with step="),
+    ("checkpointer adopt negative updates", lambda t: _checkpointer(t).adopt(updates=-2),
+     ValueError, "the job's optimizer updates so far"),
+    ("checkpointer adopt over loopkit checkpoints", _adopt_after_checkpoint, RuntimeError,
+     "ckpt.resume() continues from them"),
     ("tracker config changed", lambda t: _tracker_config_changed(t), ValueError, "logged once"),
     ("tracker resumed after a write", lambda t: _tracker_resumed_late(t), RuntimeError,
      "before the first log flush"),
@@ -720,6 +749,7 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "CheckpointError",
         "LoopkitError",
         "OpenWindowWarning",
+        "ResumeWarning",
         "UnwrappedModelWarning",
         "SinkFailedWarning",
         "Tracker",
@@ -962,3 +992,15 @@ def test_numbers(name: str, compute: Callable[[], Any], want: Any) -> None:
         assert math.isnan(got)
     else:
         assert got == want
+
+
+@pytest.mark.parametrize("name", [n for n in loopkit.__all__ if n != "__version__"])
+def test_public_classes_print_under_loopkit(name: str) -> None:
+    """A traceback names loopkit's errors and warnings as users import them: loopkit.X."""
+    value = getattr(loopkit, name)
+    if not (isinstance(value, type) and issubclass(value, BaseException)):
+        return
+    assert value.__module__ == "loopkit"
+    line = traceback.format_exception_only(value, value("what went wrong"))[-1]
+    assert line == f"loopkit.{name}: what went wrong\n"
+    assert getattr(loopkit, value.__qualname__) is value  # pickle finds it there

@@ -8,8 +8,11 @@ it is written when the next pass starts, before its first batch, or when the loo
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from .._data._epoch_loader import EpochLoader
+from ._contract import StatePiece
+from ._pieces import LoaderState
 
 
 class DeferredSave:
@@ -46,3 +49,20 @@ class DeferredSave:
         self.update = None
         if self.loader is not None and self.write in self.loader._before_next_pass:
             self.loader._before_next_pass.remove(self.write)
+
+
+def written_before_epoch_code(
+    pieces: dict[str, StatePiece], deferred: DeferredSave, save: Callable[[], Path | None]
+) -> Path | None:
+    """A save on the window that ends the loader's pass, written now (not deferred), whose
+    loader state says the epoch is still open: a resume runs its code after the last window
+    (a pass with no batch left). For a loop that nothing ends for loopkit, where a deferred
+    save would never be written."""
+    piece = pieces["loader"]
+    assert isinstance(piece, LoaderState)  # ends_pass() is only true with loader=
+    deferred.cancel()
+    piece.epoch_open = True
+    try:
+        return save()
+    finally:
+        piece.epoch_open = False

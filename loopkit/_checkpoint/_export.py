@@ -73,8 +73,35 @@ def _chosen(state: Mapping[str, Any], ema: bool | int, path: Path) -> Mapping[st
         )
     if not 0 <= index < len(averages):
         raise CheckpointError(f"{path}: ema={ema} but the checkpoint holds {_held(len(averages))}")
-    chosen = averages[index]
-    return {**chosen["buffers"], **chosen["shadow"]}
+    return _averaged_model(averages[index], state.get("model"))
+
+
+def _averaged_model(chosen: Mapping[str, Any], model: object) -> Mapping[str, Any]:
+    """An average as its model's whole state_dict, in the model's key order: the average
+    holds only the trainable parameters, so a frozen one is the model's own tensor (the
+    average leaves it as is), and a tied one (the same storage under two keys) is its
+    twin's average."""
+    shadow, buffers = chosen["shadow"], chosen["buffers"]
+    if not isinstance(model, Mapping):
+        return {**buffers, **shadow}
+    twins: dict[tuple[Any, ...], Any] = {}
+    for key in shadow:
+        if isinstance(model.get(key), torch.Tensor):
+            twins[_place(model[key])] = shadow[key]
+    out: dict[str, Any] = {}
+    for key, value in model.items():
+        if key in shadow or key in buffers:
+            out[key] = shadow[key] if key in shadow else buffers[key]
+        elif isinstance(value, torch.Tensor) and _place(value) in twins:
+            out[key] = twins[_place(value)]  # tied to an averaged parameter
+        else:
+            out[key] = value  # a frozen parameter (or a buffer saved before they were)
+    return {**out, **{k: v for k, v in shadow.items() if k not in out}}
+
+
+def _place(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a loaded tensor's data lives: tensors saved as one share it when loaded."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def _held(n: int) -> str:

@@ -212,3 +212,24 @@ def number_of(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> 
     if isinstance(stepper, (StepState, StepsState)):
         return stepper.saved_updates(state["step"])
     return need(state, "saves", int, "'saves'")
+
+
+def check_can_add(pieces: Mapping[str, StatePiece], used: bool, name: str, piece: object) -> None:
+    """Raise what ``Checkpointer.add(name, piece)`` would raise; changes nothing."""
+    if not isinstance(name, str) or not name or name in BOOKKEEPING:
+        raise ValueError(f"a piece's name must be a non-empty str, not one of "
+                         f"{BOOKKEEPING}, got {name!r}")  # fmt: skip
+    if name in pieces:
+        raise ValueError(
+            f"this Checkpointer already saves a piece named {name!r}: one object per name"
+        )
+    if not isinstance(piece, StatePiece):
+        raise TypeError(
+            f"{type(piece).__name__} is not a checkpoint piece (state_dict, "
+            "check_state_dict, snapshot, load_state_dict, restore)"
+        )
+    if used:
+        raise RuntimeError(
+            f"add {name!r} before the first resume() or save(): a resume before it would "
+            "have skipped its state"
+        )

@@ -15,8 +15,9 @@ everything already loaded is put back.
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +30,23 @@ from .._data._epoch_loader import EpochLoader
 from .._precision import autocast_step
 from .._step import _accumulate, _compose, _group, _misuse
 from .._types import Clock, Stateful
+from . import _adopt, _sharded, _standing
 from . import _files as files
-from . import _sharded
 from ._background import Background, staged
 from ._contract import StatePiece, need, per_rank
-from ._deferred import DeferredSave
-from ._pieces import LoaderState, pieces_for
-from ._resume import BOOKKEEPING, load_file, read_agreed
+from ._deferred import DeferredSave, written_before_epoch_code
+from ._pieces import pieces_for
+from ._resume import check_can_add, load_file, read_agreed
 from ._step_state import StepsState, StepState
 
 
 class Checkpointer:
     """Save and resume a training loop; keeps the last ``keep`` checkpoints in ``directory``.
 
-    ``ckpt.resume()`` before the loop restores the newest checkpoint (if any);
-    ``ckpt.save()`` at a window boundary writes one (rank zero writes, every rank takes
-    part); ``ckpt.maybe_save(every=N)`` saves each N-th optimizer update. Pass the same
-    objects when resuming as when saving. ``step=`` saves the step's counters, precision,
+    ``ckpt.resume()`` before the loop restores the newest checkpoint (if any), ``for epoch
+    in ckpt.epochs(E):`` loops over the epochs left; ``ckpt.save()`` at a window boundary
+    writes one (rank zero writes), ``ckpt.maybe_save(every=N)`` each N-th update. Pass the
+    same objects when resuming as when saving. ``step=`` saves the step's counters, precision,
     GradScaler and what it was given (optimizer, scheduler, ``ema=``, ``log=``) unless
     ``optimizer=``/``scheduler=``/``extra=`` holds that object (a ``steps`` group: each
     member's); a resume in another precision is refused.
@@ -55,8 +56,7 @@ class Checkpointer:
     ``maybe_save`` (or a stop's save) on the window that ends a pass of the loader is
     deferred to the start of the next pass, so it holds what the epoch's code did after its
     last window (a per-epoch ``scheduler.step()``, an evaluation, the RNG it used); call
-    ``save()`` after the loop to keep the final state. ``resume(older_path)`` starts a new
-    lineage: newer checkpoints move to ``abandoned-<update>-<time>/``, never resumed from.
+    ``save_if_needed()`` after the loop to keep the final state (``epochs()`` does).
 
     ``async_save=True``: a save copies the state to host memory and returns; a thread
     writes it (a sharded model's through DCP's ``async_save``) and renames it once complete.
@@ -103,10 +103,16 @@ class Checkpointer:
         self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
         self._used = False  # a save or a resume happened: the set of pieces is fixed
         self._background = Background() if async_save else None
+        self._standing = _standing.Standing()
+
+    @property
+    def standing(self) -> str | None:
+        """Where the run stands after ``resume()`` (logged at INFO to ``loopkit``); or None."""
+        return self._standing.line
 
     def check_can_add(self, name: str, piece: object) -> None:
         """Raise what ``add(name, piece)`` would raise; changes nothing."""
-        _check_can_add(self.pieces, self._used, name, piece)
+        check_can_add(self.pieces, self._used, name, piece)
 
     def add(self, name: str, piece: StatePiece) -> None:
         """Save and restore ``piece`` under ``name`` as well (before any save or resume).
@@ -136,12 +142,7 @@ class Checkpointer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank contributes (RNG states are gathered from all ranks on save)."""
-        acc = self._acc
-        if acc is not None and acc.settle():
-            raise RuntimeError(
-                f"saving mid-window ({acc.micro_step} of {acc.every} micro-steps done) would "
-                "drop their gradients: save when acc.micro_step == 0, e.g. right after an update"
-            )
+        _refuse_mid_window(self._acc)
         state: dict[str, Any] = {
             "format": files.FORMAT,
             "world_size": _ranks.world()[1],
@@ -163,6 +164,7 @@ class Checkpointer:
         finished first.
         """
         self.wait()
+        _standing.idle_save(self)
         state = self.state_dict()
         self._used = True
         state["saves"] = self._saves + 1
@@ -214,17 +216,12 @@ class Checkpointer:
         return self._deferred.update is not None
 
     def save_at_boundary(self, defer: bool = True) -> Path | None:
-        """Save now unless this update is saved already; deferred as ``maybe_save`` defers
-        (``defer=False``: written now, the file saying that the epoch's own code after its
-        last window is still to run, which a resumed run then runs).
-
-        What a stop condition calls inside the loop: on the window that ends the loader's
-        pass, the save waits for the next pass or for ``save_if_needed()``, with or without
-        ``step=`` (a loop without one: the optimizer step just made ends the pass when the
-        loader has handed out its last batch).
-        """
+        """Save now unless this update is saved already; deferred as ``maybe_save`` defers,
+        with or without ``step=`` (what a stop condition calls in the loop). ``defer=False``:
+        written now, the file saying that the epoch's code after its last window is still to
+        run, which a resumed run then runs."""
         if not defer and self.ends_pass():
-            return _written_before_epoch_code(self)
+            return written_before_epoch_code(self.pieces, self._deferred, self.save)
         if self._acc is not None:
             return self.maybe_save(every=1)
         if self.ends_pass():
@@ -240,13 +237,13 @@ class Checkpointer:
         if self._acc is None or self.save_pending:
             return self.save()
         if self._saved_windows == self._windows_closed():
+            _standing.idle_save(self)
             return None
         return self.save()
 
     def _count_saved(self, saves: int) -> None:
         """After a save or a resume: ``saves`` name the next; no save is due or deferred."""
-        self._saves = saves
-        self.last_saved_update = self._updates()
+        self._saves, self.last_saved_update = saves, self._updates()
         self._saved_windows = self._windows_closed()
         self._deferred.cancel()
 
@@ -274,18 +271,33 @@ class Checkpointer:
 
         ``reseed=True`` resumes a checkpoint written by another number of processes: the
         model, optimizer, EMA and counters carry over (a sharded model is resharded), the
-        loader continues its pass where the run stopped (it needs the same
-        ``global_batch_size``), and each rank's RNG streams start afresh from seeds drawn
-        from the checkpoint. Without it such a checkpoint is refused; on the same number of
-        processes it changes nothing.
+        loader continues its pass (with the same ``global_batch_size``), and each rank's RNG
+        streams start afresh from seeds drawn from the checkpoint; else it is refused.
 
-        The checkpoint is checked against this run first; a resume that raises leaves
-        every object, the RNG states and the directory as they were. Under DDP every rank
-        calls it; all resume from the same file or all raise. Restoring a checkpoint older
-        than the newest in the directory starts a new lineage: the newer ones are moved to
-        an ``abandoned-<update>-<time>/`` subdirectory.
+        Checked against this run first: a resume that raises leaves every object, the RNG
+        states and the directory as they were. Every rank calls it. An older checkpoint
+        than the newest starts a new lineage (the newer move to ``abandoned-*/``).
+        ``standing`` then says where the run stands, ``epochs(E)`` loops over what is left.
         """
         return _resumed(self, None if path is None else Path(path), reseed)
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """The epochs of ``loader=`` left of ``total`` (none for a finished run, none past its
+        ``until``'s stop), one pass each; at their end, the final state is saved if it is not."""
+        return _standing.epochs(self, total)
+
+    def adopt(self, updates: int, *, epoch: int | None = None) -> None:
+        """A job run outside loopkit goes on, ``updates`` in: the step's count, its scheduler
+        stepped as many times, the loader at ``epoch`` (docs/resuming.md)."""
+        _adopt.adopt(self, updates, epoch)
+
+
+def _refuse_mid_window(acc: Clock | None) -> None:
+    if acc is not None and acc.settle():
+        raise RuntimeError(
+            f"saving mid-window ({acc.micro_step} of {acc.every} micro-steps done) would "
+            "drop their gradients: save when acc.micro_step == 0, e.g. right after an update"
+        )
 
 
 def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None:
@@ -299,6 +311,7 @@ def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None
     if not isinstance(reseed, bool):
         raise TypeError(f"reseed must be True or False, got {reseed!r}")
     ckpt.wait()  # a save in flight is what a resume must find
+    relaunch = not ckpt._used  # the run starts from it (not a rollback within a run)
     ckpt._used = True  # even a refused resume: pieces added now would miss its checks
     found = ckpt.checkpoints() if path is None else []
     target = (found[-1] if found else None) if path is None else path
@@ -309,51 +322,20 @@ def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None
         files.remove_stale_temporaries(ckpt.directory)  # a crashed save's leftovers
     if target is None:
         return None
+    kept = copy.copy(ckpt._standing)
     try:
+        _standing.announce(ckpt, state, target, relaunch)  # a warning made an error: no load
         # Checked on every rank: loading fails now only where user code (a hook, an
         # extra's load_state_dict) raises, and then everything loaded is put back.
         load_file(ckpt.pieces, state, target)
     except BaseException:
         files.move_back(moved)
+        ckpt._standing = kept  # as before the call
         raise
     _misuse.resumed()  # schedulers moved by a load, not stepped: no step's guard objects
     ckpt._count_saved(need(state, "saves", int, "'saves'"))
+    _standing.watch(ckpt)
     return target
-
-
-def _check_can_add(pieces: Mapping[str, StatePiece], used: bool, name: str, piece: object) -> None:
-    if not isinstance(name, str) or not name or name in BOOKKEEPING:
-        raise ValueError(f"a piece's name must be a non-empty str, not one of "
-                         f"{BOOKKEEPING}, got {name!r}")  # fmt: skip
-    if name in pieces:
-        raise ValueError(
-            f"this Checkpointer already saves a piece named {name!r}: one object per name"
-        )
-    if not isinstance(piece, StatePiece):
-        raise TypeError(
-            f"{type(piece).__name__} is not a checkpoint piece (state_dict, "
-            "check_state_dict, snapshot, load_state_dict, restore)"
-        )
-    if used:
-        raise RuntimeError(
-            f"add {name!r} before the first resume() or save(): a resume before it would "
-            "have skipped its state"
-        )
-
-
-def _written_before_epoch_code(ckpt: Checkpointer) -> Path | None:
-    """A save on the window that ends the loader's pass, written now (not deferred), whose
-    loader state says the epoch is still open: a resume runs its code after the last window
-    (a pass with no batch left). For a loop that nothing ends for loopkit, where a deferred
-    save would never be written."""
-    piece = ckpt.pieces["loader"]
-    assert isinstance(piece, LoaderState)  # ends_pass() is only true with loader=
-    ckpt._deferred.cancel()
-    piece.epoch_open = True
-    try:
-        return ckpt.save()
-    finally:
-        piece.epoch_open = False
 
 
 def _write(

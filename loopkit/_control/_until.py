@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import signal
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 from .. import _ranks
 from .._checkpoint._save_resume import Checkpointer
+from .._checkpoint._standing import tail_left
 from .._checks import is_int_at_least
 from .._data._epoch_loader import EpochLoader
 from .._step._feed import LIMITS
@@ -54,6 +56,7 @@ class until:
     ``max_epochs`` is counted by ``epochs()``; in a loop without it, ``check()`` counts the
     passes of the Checkpointer's ``loader=`` and stops on the window that ends the last
     one; with neither, the first ``check()`` raises (the limit would be ignored).
+    ``timer``: the clock ``max_time`` reads, in seconds (``time.monotonic``).
     """
 
     def __init__(
@@ -101,8 +104,10 @@ class until:
         # past max_time stops there, not check_every updates later (every rank alike).
         self._state.pool_next = True
         self._flag = SignalFlag(sigs)
+        self._restored = False  # the run resumed had been ended by a limit that still holds
         if checkpointer is not None:
             checkpointer.add("until", self._state)
+            checkpointer._standing.stop = weakref.ref(self)  # told of a finished run's resume
         if clock is not None:  # the totals a progress display's ETA needs
             LIMITS[clock] = (max_updates, max_epochs)
 
@@ -142,7 +147,7 @@ class until:
         pooled = bool(self.signals) or self.max_time is not None
         if reason is None and pooled and (self._state.pool_next or updates % self.check_every == 0):
             self._state.pool_next = False
-            reason = self._agreed_reason()
+            reason = _agreed_reason(self)
         if reason is None:
             return False
         self._stop(reason, final=False)
@@ -156,14 +161,11 @@ class until:
             return "early_stop"
         return None
 
-    def _agreed_reason(self) -> str | None:
-        """Signals and clocks pooled over the ranks: every rank gets the same answer."""
-        received, elapsed = _ranks.max_values([float(self._flag.received), self.elapsed])
-        if received:
-            return signal.Signals(int(received)).name
-        if self.max_time is not None and elapsed >= self.max_time:
-            return "max_time"
-        return None
+    def _resumed_finished(self, reason: str, updates: int) -> None:
+        """``ckpt.resume()`` found a run that ``reason`` (a limit that holds still) had ended."""
+        if self.reason is None:  # stopped as it was, its checkpoint written
+            self.reason, self.stopped_at = reason, updates
+            self._stop_saved = self._restored = True
 
     def _stop(self, reason: str, final: bool) -> None:
         self.reason, self.stopped_at = reason, self._boundaries.updates
@@ -212,15 +214,16 @@ class until:
                         # A run resumed past max_time (or signalled) stops before training:
                         # every rank enters epochs() at the same update, so pools alike.
                         self._state.pool_next = False
-                        if (reason := self._agreed_reason()) is not None:
+                        if (reason := _agreed_reason(self)) is not None:
                             self._stop(reason, final=True)
-                if self.reason is not None:
+                # A resumed stop runs the epoch saved before its code after the last window.
+                if self.reason is not None and not (self._restored and _tail_left(loader)):
                     self.close()
                     return
                 self._pass.new_pass()
                 self._in_epoch = True
                 yield epoch
-                self._in_epoch = False
+                self._in_epoch = self._restored = False
                 if loader is None:
                     self._state.epoch = epoch + 1
         except GeneratorExit:
@@ -279,6 +282,20 @@ class until:
         said = ", ".join(f"{k}={v}" for k, v in limits if v is not None)
         sigs = tuple(s.name for s in self.signals)
         return f"loopkit.until({said}, signals={sigs}, reason={self.reason!r})"
+
+
+def _agreed_reason(stop: until) -> str | None:
+    """Signals and clocks pooled over the ranks: every rank gets the same answer."""
+    received, elapsed = _ranks.max_values([float(stop._flag.received), stop.elapsed])
+    if received:
+        return signal.Signals(int(received)).name
+    if stop.max_time is not None and elapsed >= stop.max_time:
+        return "max_time"
+    return None
+
+
+def _tail_left(loader: EpochLoader | None) -> bool:
+    return loader is not None and tail_left(loader)
 
 
 def _check_limits(max_updates: object, max_epochs: object, check_every: object) -> None:

@@ -35,7 +35,7 @@ from ._seeding import (
 
 
 def default_num_workers(local_world_size: int | None = None) -> int:
-    """Loader workers per process: this node's cores shared by its processes, one kept back."""
+    """Loader workers per process: the cores over ``local_world_size`` (the node's), less one."""
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     per_process = (cores or 1) // max(local_world_size or info().local_world_size, 1)
@@ -64,16 +64,17 @@ def loader(
     """A DataLoader set up as the guides advise, sharded across ranks under DDP.
 
     ``batch_size`` is per process; ``global_batch_size`` is split over the ranks (it must
-    divide). Workers default to this node's cores per process minus one; ``pin_memory``
-    only with CUDA; persistent workers; under DDP a ``DistributedSampler`` whose
-    ``set_epoch`` is called on every pass. Each batch is fetched and collated with the
-    python, numpy and torch RNGs set from (``seed``, epoch, rank, batch index), so random
-    augmentation does not depend on the workers and resumes exactly. ``seed`` is any
-    integer (numpy integers too) in [-2**63, 2**63 - 1]. ``worker_init_fn`` (to open a
-    per-worker file handle, say) runs in each worker after loopkit has seeded python's,
-    numpy's and torch's RNGs there (from the loader's generator); each batch is then
-    fetched with the RNGs set from its own key. Other DataLoader arguments
-    (``prefetch_factor``, ``timeout``, ...) pass through.
+    divide). ``dataset``, ``shuffle`` and ``drop_last`` are DataLoader's. ``num_workers``
+    defaults to this node's cores per process minus one; ``pin_memory`` only with CUDA;
+    ``persistent_workers`` (default: when there are workers); under DDP a
+    ``DistributedSampler`` whose ``set_epoch`` is called on every pass. Each batch is
+    fetched and collated with the python, numpy and torch RNGs set from (``seed``, epoch,
+    rank, batch index), so random augmentation does not depend on the workers and resumes
+    exactly. ``seed`` is any integer (numpy integers too) in [-2**63, 2**63 - 1].
+    ``worker_init_fn`` (to open a per-worker file handle, say) runs in each worker after
+    loopkit has seeded python's, numpy's and torch's RNGs there (from the loader's
+    generator); each batch is then fetched with the RNGs set from its own key. Other
+    DataLoader arguments (``prefetch_factor``, ``timeout``, ...) pass through.
 
     A ``loopkit.preload`` cache is batched by one index operation per field
     (``Preloaded.batch``), with no workers by default; without workers straight into

@@ -54,7 +54,7 @@ def preload(
     trust_shared_cache: bool = False,
     verify: bool | None = None,
 ) -> Preloaded:
-    """Run ``transform`` over every item once and map the result; see the module docstring.
+    """Run ``transform`` over every item of ``dataset`` once and map the result (see the module).
 
     ``cache`` is a directory (default ``/dev/shm/loopkit-preload-<uid>``, RAM-backed, when
     it has room, else ``loopkit-preload-<uid>`` in the temporary directory, both mode 0700);

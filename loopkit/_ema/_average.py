@@ -27,13 +27,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._errors import CheckpointError
 from .._parallel._grad_sync import plain_key, sync_kind, unwrap
+from . import _export
 from ._decay import check_settings, decay_at
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's data on this rank: an FSDP2 DTensor's shard (no gather), else itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+from ._tensors import _as_param, _local
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -47,18 +43,6 @@ def _inner(model: nn.Module) -> nn.Module:
     if isinstance(module, nn.parallel.DistributedDataParallel):
         module = module.module
     return unwrap(module)
-
-
-def _as_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` laid out as ``param``: a DTensor of the same mesh and placements for an
-    FSDP2 parameter (no communication), else ``local`` itself."""
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is None:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, mesh, param.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=param.shape, stride=param.stride())  # fmt: skip
 
 
 class ema:
@@ -149,7 +133,7 @@ class ema:
 
     def _never_averaged(self) -> None:
         """Warn once where the average is used but never moved while its model trained."""
-        if self._told or self.seen or not self._trained():
+        if self._told or self.seen or not _trained(self._params, self.shadow):
             return
         self._told = True
         warnings.warn(
@@ -159,13 +143,6 @@ class ema:
             "average.update() after each optimizer.step()",
             stacklevel=3,
         )
-
-    @torch.no_grad()
-    def _trained(self) -> bool:
-        """Whether the weights moved since the ema was built (never averaged, the shadow
-        still holds them). Host-device sync: only while never averaged, where used."""
-        return any(not torch.equal(_local(p).float(), s)
-                   for p, s in zip(self._params, self.shadow, strict=True))  # fmt: skip
 
     def _check_model(self) -> None:
         """Refuse to average tensors the model no longer trains (checked on one: O(1))."""
@@ -253,6 +230,16 @@ class ema:
         self._never_averaged()
         return dict(zip(self._names, self.shadow, strict=True))
 
+    def export(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The averaged model's whole ``state_dict`` by its keys (``_export``); ``dtype``:
+        the averages' (None: each parameter's own). Under FSDP2 every rank calls it."""
+        self._never_averaged()
+        return _export.export(self, dtype)
+
+    def adopt(self, state: Mapping[str, torch.Tensor], updates: int) -> None:
+        """A job's saved average (a model ``state_dict``) as this one, ``updates`` in."""
+        _export.adopt(self, state, updates)
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -307,6 +294,13 @@ class ema:
             f"loopkit.ema(decay={self.decay}, every={self.every}, warmup={self.warmup}, "
             f"{len(self.shadow)} tensors, {self.updates} updates)"
         )
+
+
+@torch.no_grad()
+def _trained(params: Sequence[torch.Tensor], shadow: Sequence[torch.Tensor]) -> bool:
+    """Whether the weights moved since the ema was built (never averaged, the shadow still
+    holds them). Host-device sync: only while never averaged, where used."""
+    return any(not torch.equal(_local(p).float(), s) for p, s in zip(params, shadow, strict=True))
 
 
 def _check_saved(self: ema, state: object) -> None:

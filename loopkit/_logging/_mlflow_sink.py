@@ -14,9 +14,9 @@ class MLflowSink(Tracker):
 
     ``experiment``: its name (created if missing); ``tracking_uri``: where the runs live (a
     server, ``sqlite:///mlflow.db``, or a directory: MLflow's file store then needs
-    ``MLFLOW_ALLOW_FILE_STORE=true``). A resumed run continues the same run id; the points it
-    already holds (the last step and how many points at it) are read back from its metric
-    history and not logged again.
+    ``MLFLOW_ALLOW_FILE_STORE=true``); ``run_name``: the name of the run it creates. A
+    resumed run continues the same run id; the points it already holds (the last step and
+    how many points at it) are read back from its metric history and not logged again.
     """
 
     def __init__(

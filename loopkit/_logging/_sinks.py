@@ -15,7 +15,7 @@ from ._tracker import Tracker, held_in, read_record, write_record
 
 
 def print_sink(metrics: dict[str, float], *, step: int) -> None:
-    """Print ``step 100 | loss 0.1234 | acc 0.5`` to standard output."""
+    """Print ``metrics`` at ``step`` as ``step 100 | loss 0.1234 | acc 0.5`` to standard output."""
     print(format_metrics(metrics, step))
 
 
@@ -35,7 +35,8 @@ def takes_step(sink: Callable[..., object]) -> bool:
 
 
 class LoggingSink:
-    """Send reduced metrics to a stdlib ``logging`` logger, one record per flush."""
+    """Send reduced metrics to a stdlib ``logging`` logger (``logger``: one, an adapter or
+    its name), one record per flush at ``level`` (default ``logging.INFO``)."""
 
     def __init__(
         self,

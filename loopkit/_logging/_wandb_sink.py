@@ -15,7 +15,8 @@ from ._tracker import Tracker, held_in, read_record, write_record
 class WandbSink(Tracker):
     """Log to a W&B run: ``wandb.init`` at the first write, ``run.log(values, step=)``.
 
-    ``mode="offline"`` writes the run under ``dir`` for a later ``wandb sync``. A resumed run
+    ``project``: the W&B project; other keywords go to ``wandb.init``. ``mode="offline"``
+    writes the run under ``dir`` for a later ``wandb sync``. A resumed run
     continues the same run id (``resume="allow"``). The last step written, the points
     written at it and when the run last started are kept in
     ``<dir>/.loopkit-wandb-<id>.json``, so a run resumed after a kill -9 does not log again

@@ -63,6 +63,13 @@ class doctor:
     ``loopkit.step(..., doctor=doc)`` the step attaches it and times every phase for you.
     ``doc.report()`` returns the report; with ``report_at_exit=True`` it is printed when
     the program ends.
+
+    Host syncs are counted on steps ``sample_syncs_at`` (1 the first) and every
+    ``sample_syncs_every``-th step (None: no more); ``report_every=N`` hands the report to
+    ``sink`` (``print``) every N steps; ``loader``: the loader whose workers the report
+    judges (default: the one ``doc.iterate`` is given).
+    ``flops_per_step``: one step's FLOPs (else counted on step 2); ``peak_flops``: the
+    device's peak FLOP/s, for the MFU where the built-in table has none (a CPU).
     """
 
     def __init__(
@@ -278,29 +285,31 @@ class doctor:
 
     def report(self) -> str:
         """A plain-words report: throughput, phase shares, syncs, and the tips that apply."""
-        return report_text(self.stats(), self._context())
+        return report_text(self.stats(), _context(self))
 
     def tips(self, s: Stats | None = None) -> list[str]:
         """The guides' advice that the measurements call for, most costly first."""
-        return tips_for(s or self.stats(), self._context())
-
-    def _context(self) -> Context:
-        workers = getattr(self.loader, "num_workers", None)
-        inner = getattr(self.loader, "loader", None)  # a loopkit EpochLoader
-        if workers is None and inner is not None:
-            workers = getattr(inner, "num_workers", None)
-        dev = self.device
-        return {
-            "precision": self.precision,
-            "device_type": None if dev is None else dev.type,
-            "iterated": self._iterated,
-            "num_workers": workers,
-            "sync_steps": self.sync_steps,
-        }
+        return tips_for(s or self.stats(), _context(self))
 
     def _report_at_exit(self) -> None:
         if self.steps:
             self.sink(self.report())
+
+
+def _context(doc: doctor) -> Context:
+    """What the tips need to know besides the measurements: precision, device, loader."""
+    workers = getattr(doc.loader, "num_workers", None)
+    inner = getattr(doc.loader, "loader", None)  # a loopkit EpochLoader
+    if workers is None and inner is not None:
+        workers = getattr(inner, "num_workers", None)
+    dev = doc.device
+    return {
+        "precision": doc.precision,
+        "device_type": None if dev is None else dev.type,
+        "iterated": doc._iterated,
+        "num_workers": workers,
+        "sync_steps": doc.sync_steps,
+    }
 
 
 def _timed_batches(doc: doctor, it: Iterator[T]) -> Iterator[T]:

@@ -178,6 +178,7 @@ class count_host_syncs:
     an optimizer's step counter). Counters nest and may exit in any order. Meant for
     tests and diagnosis: it slows the code it watches, and runs torch.compile'd code inside
     it eagerly (a compiled graph's reads would be unseen).
+    ``locate=True`` also counts the user's reads by ``file:line`` (``syncs.lines``; slower).
     """
 
     def __init__(self, ignore: frozenset[int] = frozenset(), *, locate: bool = False) -> None:

@@ -161,6 +161,7 @@ def checkpointed(
     whose ``config.use_cache`` is True sets it False (with a warning); a KV cache passed to
     a checkpointed call that records a graph is refused. A compiled module, or a block
     inside one, is refused: apply ``checkpointed`` first, then compile.
+    ``target``: the function or module; ``preserve_rng_state``: recompute with the forward's RNG.
     """
     if not is_int_at_least(every, 1):
         raise ValueError(f"every must be an int >= 1 (checkpoint every k-th block), got {every!r}")
@@ -206,7 +207,7 @@ def checkpointed(
 
 
 def is_checkpointed(obj: object) -> bool:
-    """Whether a module or function was made checkpointed by loopkit."""
+    """Whether ``obj`` (a module or function) was made checkpointed by loopkit."""
     if isinstance(obj, nn.Module):
         return _applied(obj) is not None
     return getattr(obj, _FN_ATTR, None) is not None

@@ -24,7 +24,7 @@ from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
 from .._tracing import EagerUnderCompile, eagerly
 from .._types import Weight
-from . import _last_batch, _misuse, _open_steps
+from . import _last_batch, _misuse, _open_steps, _source
 from ._cross_rank import end_of_window
 from ._micro_sync import MicroStepSync
 from ._params import OptimizerParams
@@ -36,8 +36,9 @@ from ._window import Window
 T = TypeVar("T")
 
 
-def _check_binding(model: object, optimizer: object, every: object) -> None:
-    """Refuse a model, optimizer or ``every`` accumulate cannot work with, before any change."""
+def _check_binding(model: object, optimizer: object, every: object) -> str:
+    """Refuse a model, optimizer or ``every`` accumulate cannot work with, before any change;
+    the class the user built (``loopkit.step`` or ``loopkit.accumulate``), as messages say."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -56,15 +57,18 @@ def _check_binding(model: object, optimizer: object, every: object) -> None:
             "model.parameters() of this model (after wrapping it, if you wrap it)"
         )
     # The accumulate already bound to it: catches `accumulate(...)` rebuilt every iteration.
-    old = _misuse.owner_of(optimizer)
+    old, new = _misuse.owner_of(optimizer), _source.built_as(2)
     if isinstance(old, accumulate) and old._window.micro > 0:
+        built = old._built_as
+        enter = "`with step as s:`" if new == "loopkit.step" else "`with acc:`"
         raise RuntimeError(
-            f"this optimizer is already bound to an accumulate that is mid-window "
-            f"({old._window.micro} of {old.every} micro-steps done); building a new one "
-            "would drop those gradients from the normalization. Build accumulate/"
-            "loopkit.step once, before the loop, and enter it on every iteration (or "
-            "flush() the old one first)"
+            f"this optimizer is already bound to a {built} that is mid-window "
+            f"({old._window.micro} of {old.every} micro-steps done); building a new {new} "
+            f"would drop those gradients from the normalization. Build the {new} once, "
+            f"before the loop, and enter it ({enter}) on every iteration (or flush() the "
+            "old one first)"
         )
+    return new
 
 
 class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
@@ -101,7 +105,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         ema: _average.ema | Sequence[_average.ema] | None = None,
         compile_optimizer: CompileLike = False,
     ) -> None:
-        _check_binding(model, optimizer, every)
+        self._built_as = _check_binding(model, optimizer, every)  # what the user built
         kind = sync_kind(model)
         rule = UpdateRule(
             optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler, ema=ema,
@@ -254,7 +258,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         finally:
             self._inside = False
             _open_steps.close(self)
-        if exc_type is None and self._ending:
+        if exc_type is None and (self._ending or _trained_from_outside(self)):
             try:
                 _close_window(self)
             except BaseException:
@@ -317,6 +321,18 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             f"accumulate(every={self.every}, updates={self.updates}, skipped={self.skipped}, "
             f"micro_step={self._window.micro})"
         )
+
+
+def _trained_from_outside(acc: accumulate) -> bool:
+    """No backward of its own yet the parameters hold gradients (a direct loss.backward()):
+    refused now, before a later s.backward adds to them (one process; ranks agree at the
+    window's end). O(parameters), only on micro-steps that made no backward."""
+    return (
+        not acc._did_backward
+        and acc._window.n_backward == 0
+        and acc._kind == "none"
+        and acc._params.have_grads()
+    )
 
 
 def _close_window(acc: accumulate) -> bool:

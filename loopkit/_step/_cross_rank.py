@@ -14,17 +14,35 @@ from .. import _ranks
 from .._parallel._grad_sync import sync_grads_now
 from .._sync_points import expected_sync
 from .._types import SyncKind
+from . import _source
+from ._misuse import user_frame
 from ._normalize import BAD_WEIGHT, boundary_factor, by_hand_factor, reference_weight
 from ._params import OptimizerParams
 from ._window import Window
 
 FOREIGN = (
-    "this window made no backward of its own (acc.backward / step.backward), yet its "
-    "optimizer's parameters received gradients: from another step's backward through the "
-    "same model, or a loss.backward() called directly. One model with two optimizers in two "
-    "steps is not supported: give both parameter groups to one optimizer (per-group lr and "
-    "weight decay are kept). The window was dropped"
+    "this window made no backward of its own (s.backward(loss) in `with step as s:`), yet "
+    "its optimizer's parameters received gradients: from another step's backward through the "
+    "same model, or a loss.backward() called directly (call s.backward(loss) instead). One "
+    "model with two optimizers in two steps is not supported: give both parameter groups to "
+    "one optimizer (per-group lr and weight decay are kept). The window was dropped"
 )
+
+
+def foreign_message() -> str:
+    """The refusal of a window trained by a backward it did not make, naming the user's direct
+    ``.backward()`` lines where the code around the window shows them (read only when
+    refusing: no cost to a window that closes)."""
+    lines = _source.direct_backwards(user_frame())
+    if not lines:
+        return FOREIGN
+    return (
+        f"this window made no backward of its own, yet its optimizer's parameters received "
+        f"gradients: {', '.join(lines)} calls .backward() on a loss directly, which loopkit "
+        "neither scales for the window nor counts. Inside `with step as s:` call "
+        "s.backward(loss) instead (acc.backward(loss) with loopkit.accumulate). The window "
+        "was dropped"
+    )
 
 
 def window_factor(window: Window, every: int, w_ref: Any, sharded: bool, group: Any) -> Any:
@@ -81,7 +99,7 @@ def sync_by_hand(
         model, extras
     )
     if foreign_ranks:
-        raise RuntimeError(FOREIGN)
+        raise RuntimeError(foreign_message())
     if bad_ranks:
         raise ValueError(BAD_WEIGHT)
     world = _ranks.world(group)[1]
@@ -118,6 +136,6 @@ def end_of_window(
         if window.foreign(params.have_grads()):
             # Its parameters are trained by a backward it did not make, and would silently
             # never be updated.
-            raise RuntimeError(FOREIGN)
+            raise RuntimeError(foreign_message())
         return False, None
     return True, window_factor(window, every, reference, kind != "none", group)

@@ -39,6 +39,7 @@ from .._compile._order import compiled_around_wrapper
 from .._data._epoch_loader import Pass
 from .._errors import OpenWindowWarning, UnwrappedModelWarning
 from .._types import SyncKind
+from . import _source
 
 _SKIP = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # loopkit
@@ -196,8 +197,9 @@ class Guard:
         self.optimizer = optimizer
         self.scheduler = scheduler
         # FSDP moves gradients between shards inside its own hooks: watched only without it.
-        # With accumulate=1 no window spans two micro-steps, so there is nothing to drop.
-        self.grads = kind in ("none", "ddp") and every > 1
+        # With accumulate=1 too: a loss.backward() after s.backward in the micro-step would
+        # add its gradient to the update's (two sentinel reads per backward, no host sync).
+        self.grads = kind in ("none", "ddp")
         self._marks: tuple[tuple[torch.Tensor, Any, int], ...] = ()
         self._pass: Pass | None = None
         # Read as the step's first window opens, where the scheduler becomes the step's to
@@ -277,11 +279,15 @@ class Guard:
         """Remember the sentinels' gradients as loopkit's own backward left them."""
         if not self.grads or not params:
             return
-        # Usually the first and the last parameter: no scan.
+        # Usually the first and the last parameter: no scan (and no branch taken per window).
         first, last = params[0], params[-1]
-        if first.grad is None:
+        g1, g2 = first.grad, last.grad
+        if g1 is not None and g2 is not None:
+            self._marks = ((first, g1, g1._version), (last, g2, g2._version))
+            return
+        if g1 is None:
             first = next((p for p in params if p.grad is not None), first)
-        if last.grad is None:
+        if g2 is None:
             last = next((p for p in reversed(params) if p.grad is not None), last)
         g1, g2 = first.grad, last.grad
         self._marks = (
@@ -316,10 +322,25 @@ class Guard:
     def _refuse_grads(self, how: str) -> None:
         frame = user_frame()
         zero = lines_calling(frame, self.optimizer, "zero_grad")
+        zeroed = f"optimizer.zero_grad() at {', '.join(zero)}" if zero else ""
+        direct = [] if how == "dropped" else _source.direct_backwards(frame)
+        if direct:  # read only when refusing: no cost to a window that closes
+            raise RuntimeError(
+                f"the gradients of an open loopkit window were {how} by code outside its "
+                f"s.backward (noticed at {_where(frame)}): {', '.join(direct)} calls "
+                ".backward() on a loss directly, which adds to the window's gradients a "
+                "gradient loopkit neither scales nor counts. Inside `with step as s:` call "
+                "s.backward(loss) instead (acc.backward(loss) with loopkit.accumulate); for a "
+                "second loss through this model use loopkit.steps(d_step, g_step) with "
+                "frozen=[model] in the other step. "
+                + (f"Remove the {zeroed}" if zeroed else "A zero_grad()")
+                + " or a hand-written clip changes them too (loopkit clears gradients as a "
+                "window opens and clips with clip_grad_norm=). The window was not updated"
+            )
         raise RuntimeError(
             f"the gradients of an open loopkit window were {how} by code outside its "
             f"s.backward (noticed at {_where(frame)}): "
-            + (f"optimizer.zero_grad() at {', '.join(zero)}, " if zero else "a zero_grad(), ")
+            + (f"{zeroed}, " if zeroed else "a zero_grad(), ")
             + "a loss.backward() of another loss through this model (a GAN's generator loss "
             "through its discriminator), or a hand-written clip. Remove the zero_grad and clip "
             "lines (loopkit clears gradients as a window opens and clips with clip_grad_norm=); "

@@ -53,6 +53,7 @@ def probe_micro_batch(
     out-of-memory error (as ``accelerate.utils.memory`` recognizes on every backend) means
     "too big"; any other exception propagates unchanged. ``search="two_peaks"`` (CUDA):
     extrapolate from the peak memory of two sizes instead of halving from the batch.
+    ``smallest``: the smallest size tried; if none of at least that size fits, RuntimeError.
     """
     # accelerate's cross-backend out-of-memory test and cache release (CUDA, XPU, NPU, MPS).
     memory: Any = importlib.import_module("accelerate.utils.memory")

@@ -20,7 +20,8 @@ def test_fsdp2_averages_each_shard_and_gathers_to_the_unsharded_reference(
 ) -> None:
     """Uneven shards (8 + 7 rows, 1 + 0): no extra collective per update, the gathered
     averages within 1e-6 of one process's, swapped() puts them in and takes them out bit for
-    bit, and a torch.distributed.checkpoint round trip of the shards is exact."""
+    bit, ema.export() gathers that averaged model whole on every rank, and a
+    torch.distributed.checkpoint round trip of the shards is exact."""
     ranks = dist_results["ema_fsdp2"]
     if ranks[0]["skipped"]:
         pytest.skip(ranks[0]["skipped"])
@@ -28,4 +29,4 @@ def test_fsdp2_averages_each_shard_and_gathers_to_the_unsharded_reference(
     for r in ranks:
         assert r["updates"] == 3 and r["extra_collectives"] == 0
         assert r["max_diff"] < 1e-6 and r["swapped_in"] < 1e-6 and r["restored"]
-        assert r["dcp_equal"]
+        assert r["dcp_equal"] and r["export_equal"]  # ema.export(): whole, as swapped in
