@@ -156,33 +156,32 @@ def _share(good: int, total: int) -> str:
     return f"{good}/{total} ({good / total:.0%})" if total else "-"
 
 
+def _table(
+    heading: str, counted: dict[str, tuple[Counter[str], Counter[str]]], rows: list[str]
+) -> list[str]:
+    """A markdown table: one row per key (in ``rows``' order), one column per corpus of
+    ``counted`` (corpus -> (totals, good)), and an ``all`` row."""
+    names = list(counted)
+    lines = [f"| {heading} | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for key in [*rows, None]:
+        cells = [
+            _share(sum(good.values()), sum(total.values())) if key is None
+            else _share(good[key], total[key])
+            for total, good in counted.values()
+        ]  # fmt: skip
+        lines.append(f"| {key or 'all'} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def corpus_table() -> str:
     """docs/lint.md's tables: per rule precision, per cost group recall, dev beside held-out."""
-    names = list(CORPORA)
-    per = {name: precision(name) for name in names}
-    codes = sorted(set().union(*(per[n][0] for n in names)))
-    rows = [
-        "| rule | " + " | ".join(f"{n}: right / findings" for n in names) + " |",
-        "| --- |" + " --- |" * len(names),
-    ]
-    for code in codes:
-        cells = [_share(per[n][1][code], per[n][0][code]) for n in names]
-        rows.append(f"| {code} | " + " | ".join(cells) + " |")
-    cells = [_share(sum(per[n][1].values()), sum(per[n][0].values())) for n in names]
-    rows.append("| all | " + " | ".join(cells) + " |")
-    rec = {name: recall(name) for name in names}
-    groups = sorted(set().union(*(rec[n][0] for n in names)), key=lambda g: (g == OTHER, g))
-    rows += [
-        "",
-        "| real per-step cost | " + " | ".join(f"{n}: found / costs" for n in names) + " |",
-        "| --- |" + " --- |" * len(names),
-    ]
-    for group in groups:
-        cells = [_share(rec[n][1][group], rec[n][0][group]) for n in names]
-        rows.append(f"| {group} | " + " | ".join(cells) + " |")
-    cells = [_share(sum(rec[n][1].values()), sum(rec[n][0].values())) for n in names]
-    rows.append("| all | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    per = {f"{n}: right / findings": precision(n) for n in CORPORA}
+    rec = {f"{n}: found / costs": recall(n) for n in CORPORA}
+    codes = sorted(set().union(*(total for total, _ in per.values())))
+    groups = sorted(set().union(*(total for total, _ in rec.values())),
+                    key=lambda g: (g == OTHER, g))  # fmt: skip
+    lines = [*_table("rule", per, codes), "", *_table("real per-step cost", rec, groups)]
+    return "\n".join(lines) + "\n"
 
 
 def test_held_out_precision_is_at_least_nine_in_ten() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
+from test_lint import _cli
 
 from loopkit import lint
 
@@ -100,16 +101,6 @@ def test_fix_source_keeps_non_ascii_columns() -> None:
     source = 'for b in dl:\n    é = ("→", torch.ones(3).to(dev))\n    f(b, é).backward()\n'
     assert lint.fix_source(source) == (
         'for b in dl:\n    é = ("→", torch.ones(3, device=dev))\n    f(b, é).backward()\n'
-    )
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "loopkit.lint", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
 
 
