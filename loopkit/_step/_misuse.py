@@ -28,7 +28,7 @@ import re
 import sys
 import warnings
 import weakref
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -181,8 +181,8 @@ class Guard:
     """One step's watch over the code around it; the per-window part resets together."""
 
     __slots__ = (
-        "__weakref__", "_left", "_marks", "_owner", "_pass", "_sched_at", "_sched_lrs", "grads",
-        "optimizer", "scheduler",
+        "__weakref__", "_editors", "_edits_allowed", "_left", "_marks", "_owner", "_pass",
+        "_sched_at", "_sched_lrs", "grads", "optimizer", "scheduler",
     )  # fmt: skip
 
     def __init__(
@@ -200,6 +200,11 @@ class Guard:
         # With accumulate=1 too: a loss.backward() after s.backward in the micro-step would
         # add its gradient to the update's (two sentinel reads per backward, no host sync).
         self.grads = kind in ("none", "ddp")
+        # With accumulate=1 the window is its one micro-step: the user's own edit of its
+        # gradients (a hand clip, added noise) is the update's, as in a hand loop; only a loss
+        # back-propagated directly, which loopkit neither scales nor counts, is refused.
+        self._edits_allowed = every == 1
+        self._editors: set[CodeType] = set()  # functions seen editing with no direct backward
         self._marks: tuple[tuple[torch.Tensor, Any, int], ...] = ()
         self._pass: Pass | None = None
         # Read as the step's first window opens, where the scheduler becomes the step's to
@@ -300,6 +305,8 @@ class Guard:
         for p, grad, version in self._marks:
             now = p.grad
             if now is not grad or (now is not None and now._version != version):
+                if now is not None and self._edits_allowed and self._user_edit():
+                    break
                 self._refuse_grads("dropped" if now is None else "changed")
         sched = self.scheduler
         if at_end and sched is not None and self._sched_at is not None:
@@ -318,6 +325,19 @@ class Guard:
                     "real update, so the schedule would run too fast. Remove the "
                     "scheduler.step() line from the loop. The window was not updated"
                 )
+
+    def _user_edit(self) -> bool:
+        """Whether an accumulate=1 window's changed gradients are the user's own edit: the
+        function that changed them back-propagates nothing directly (read once per function)."""
+        frame = user_frame()
+        if frame is None:
+            return False
+        if frame.f_code in self._editors:
+            return True
+        if _source.direct_backwards(frame):
+            return False
+        self._editors.add(frame.f_code)
+        return True
 
     def _refuse_grads(self, how: str) -> None:
         frame = user_frame()

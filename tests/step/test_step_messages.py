@@ -179,3 +179,39 @@ def test_several_own_backwards_with_accumulate_1_are_the_batch_s_gradient() -> N
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     assert step.updates == 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+def _clipped_and_noised(model: nn.Module, x: torch.Tensor) -> None:
+    """The user's own edits of the gradients after the backward: a clip and added noise."""
+    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    for p in model.parameters():
+        assert p.grad is not None
+        p.grad.add_(0.01 * torch.ones_like(p.grad))
+    del x
+
+
+def _hand_loop(ref: nn.Module, xs: list[torch.Tensor]) -> nn.Module:
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+        _clipped_and_noised(ref, x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ref
+
+
+def test_the_users_own_gradient_edits_with_accumulate_1_are_the_update_s() -> None:
+    """With accumulate=1 (the window is its one micro-step) a hand clip or added noise after
+    s.backward is the update's, as in a hand loop, on every step: not refused, and the
+    weights equal the hand loop's bit for bit."""
+    model, opt = _model_opt()
+    torch.manual_seed(1)
+    xs = [torch.randn(6, 4) for _ in range(3)]
+    ref = _hand_loop(copy.deepcopy(model), xs)
+    step = loopkit.step(model, opt)
+    for x in xs:
+        with step as s:
+            s.backward(model(x).pow(2).mean())
+            _clipped_and_noised(model, x)
+    assert step.updates == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
