@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from helpers import batches, mlp, params
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import loopkit
@@ -821,3 +823,33 @@ def test_the_quick_count_agrees_with_the_full_reading() -> None:
     declined = [t(()), [t(5), t(6)], [], {"x": t(3), "n": 3}, ["a", "b"], ((t(2), t(2)),)]
     for batch in declined:
         assert _batch_layout.quick_size(batch) is None, batch
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 9),
+    container=st.sampled_from(["tensor", "tuple", "list", "dict"]),
+    trailing=st.lists(st.lists(st.integers(1, 3), max_size=2), min_size=1, max_size=4),
+    odd=st.booleans(),
+)
+def test_the_quick_count_agrees_with_the_full_reading_on_generated_batches(
+    size: int, container: str, trailing: list[list[int]], odd: bool
+) -> None:
+    """Generated batches of tensors (any container, any trailing shapes, one part maybe of
+    another first dimension): where ``quick_size`` answers it is ``read``'s size, and it
+    answers every batch whose parts share their first dimension."""
+    from loopkit._step import _batch_layout
+
+    parts = [torch.zeros(size, *shape) for shape in trailing]
+    if odd:
+        parts[-1] = torch.zeros(size + 1, *trailing[-1])
+    batch: object = {
+        "tensor": parts[0], "tuple": tuple(parts), "list": parts,
+        "dict": {f"k{i}": p for i, p in enumerate(parts)},
+    }[container]  # fmt: skip
+    quick = _batch_layout.quick_size(batch)
+    shared = container == "tensor" or not odd or len(parts) == 1
+    assert (quick is not None) == shared
+    if quick is not None:
+        layout = _batch_layout.read(batch)
+        assert layout is not None and quick == layout.size == int(parts[0].shape[0])
