@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -230,3 +231,144 @@ def test_the_ninth_optimizer_of_a_process_is_compiled_too() -> None:
         _train(OPTIMIZERS["AdamW"], True, updates=2, sched=_cosine)
         metrics = get_compilation_metrics()
         assert _step_compiles() == 1 and not [e for e in metrics if e.recompile_reason]
+
+
+# Each update compiled or eager as the uninterrupted run made it: compiled and eager updates
+# differ in the last bits (dynamo's eager backend shows it and compiles fastest).
+FAST = {"backend": "eager"}
+RESUMED = {
+    "AdamW two groups": OPTIMIZERS["two groups"],
+    "SGD momentum two groups": OPTIMIZERS["SGD momentum two groups"],
+    "SGD": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),  # no state at all
+    "Adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.05),  # state from __init__
+    # A parameter without a gradient (and so without state) until update 3.
+    "AdamW, one parameter used late": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+}
+
+
+def _segment(make: Callable[[nn.Module], torch.optim.Optimizer], start: int, stop: int,
+             saved: Any = None) -> tuple[nn.Module, torch.optim.Optimizer, Any]:  # fmt: skip
+    """Updates ``start`` to ``stop`` of one run (accumulate=2, a cosine lr), in fresh objects
+    that load ``saved`` (a killed run's state, loaded by hand) first."""
+    model = _model()
+    late = make is RESUMED["AdamW, one parameter used late"]
+    if late:
+        model.register_parameter("late", nn.Parameter(torch.zeros(2)))
+    opt = make(model)
+    sched = _cosine(opt)
+    if saved is not None:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        sched.load_state_dict(saved[2])
+    step = loopkit.step(model, opt, accumulate=2, scheduler=sched, compile_optimizer=FAST)
+    g = torch.Generator().manual_seed(1)
+    for i in range(2 * stop):
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+        if i >= 2 * start:
+            with step as s:
+                out = model(x) + (model.late if late and i >= 4 else 0)
+                s.backward(nn.functional.mse_loss(out, y))
+    return model, opt, copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+
+
+@pytest.mark.parametrize(
+    ("name", "kills"),
+    [("AdamW two groups", (1, 3)), ("SGD momentum two groups", (1,)), ("SGD", (2,)),
+     ("Adagrad", (2,)), ("AdamW, one parameter used late", (1, 3))],
+)  # fmt: skip
+def test_a_run_resumed_with_its_state_loaded_by_hand_ends_bit_identical(
+    name: str, kills: tuple[int, ...]
+) -> None:
+    """Killed after update 1 (before its first compiled update) or later, each time resumed
+    into fresh objects whose state is loaded by hand: every update runs compiled or eager
+    as in the uninterrupted run (one that creates a late parameter's state too), so
+    weights and optimizer state end bit for bit."""
+    make = RESUMED[name]
+    ref, ref_opt, _ = _segment(make, 0, 5)
+    saved = None
+    for start, stop in zip((0, *kills), (*kills, 5), strict=True):
+        model, opt, saved = _segment(make, start, stop, saved)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for a, b in zip(opt.state.values(), ref_opt.state.values(), strict=True):
+        assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a), name
+
+
+def test_a_steps_group_killed_before_its_first_compiled_update_resumes_bit_identical(
+    tmp_path: Any,
+) -> None:
+    """A loopkit.steps group (AdamW under a cosine lr, SGD with momentum), accumulate=2,
+    saved by a Checkpointer after every update, killed after update 1 (the eager one) and
+    resumed: every member's weights and state end as the uninterrupted run's."""
+    from loopkit import distributed
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6, generator=g),
+                                          torch.randn(40, 2, generator=g))  # fmt: skip
+
+    def run(where: str, stop: int | None = None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        a, b = _model(), _model()
+        opt_a = torch.optim.AdamW(a.parameters(), lr=0.01, weight_decay=0.1)
+        opt_b = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9)
+        group = loopkit.steps(
+            loopkit.step(a, opt_a, accumulate=2, scheduler=_cosine(opt_a), compile_optimizer=FAST),
+            loopkit.step(b, opt_b, accumulate=2, compile_optimizer=FAST),
+        )  # fmt: skip
+        loader = distributed.loader(data, batch_size=4, seed=1)
+        both = nn.ModuleDict({"a": a, "b": b})
+        ckpt = loopkit.Checkpointer(tmp_path / where, model=both, step=group, loader=loader)
+        ckpt.resume()
+        for _ in ckpt.epochs(1):
+            for x, y in group.iterate(loader):
+                for model, member in zip((a, b), group.members, strict=True):
+                    with member as s:
+                        s.backward(nn.functional.mse_loss(model(x), y))
+                ckpt.maybe_save(every=1)
+                if stop is not None and group.updates == stop:
+                    return []
+        states = [t for o in (opt_a, opt_b) for st in o.state.values() for t in st.values()]
+        return [*a.parameters(), *b.parameters(), *states]
+
+    ref = run("ref")
+    run("killed", stop=1)
+    got = run("killed")
+    assert len(got) == len(ref)
+    assert all(torch.equal(p, q) for p, q in zip(got, ref, strict=True))
+
+
+def _with_new_defaults(base: type[torch.optim.Optimizer], hooked: bool) -> type:
+    """A subclass of ``base`` that only sets its own defaults; ``hooked``: as torch leaves it
+    when its first instance is built before any of ``base`` (its class's step replaced by
+    torch's profiling wrapper of the inherited one)."""
+
+    class Defaults(base):  # type: ignore[misc, valid-type]
+        def __init__(self, params: Any, **kwargs: Any) -> None:
+            super().__init__(params, **{"lr": 0.02, **kwargs})
+
+    if hooked:
+        Defaults.step = torch.optim.Optimizer.profile_hook_step(base.step)  # type: ignore[method-assign]
+        Defaults.step.hooked = True  # type: ignore[attr-defined]
+    return Defaults
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_subclass_with_only_new_defaults_is_compiled_whatever_was_built_first(
+    hooked: bool,
+) -> None:
+    """Subclasses (and a subclass of a subclass) of AdamW and SGD with no step of their own
+    are taken, whether or not torch wrapped their class's step for its profiling hooks; one
+    that overrides step, at any depth, is refused with the reason."""
+    for base in (torch.optim.AdamW, torch.optim.SGD):
+        sub = _with_new_defaults(base, hooked)
+        for cls in (sub, _with_new_defaults(sub, hooked)):
+            model = _model()
+            loopkit.step(model, cls(model.parameters()), compile_optimizer=FAST)
+
+    class Deeper(_FloatLrAdamW):  # no step of its own, but its parent overrides AdamW's
+        pass
+
+    for cls in (Deeper, _with_new_defaults(Deeper, hooked)):
+        model = _model()
+        with pytest.raises(TypeError, match=r"may need a float lr \(it runs _FloatLrAdamW\.step"):
+            loopkit.step(model, cls(model.parameters()), compile_optimizer=FAST)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -186,3 +187,58 @@ def test_a_wrapped_model_pickles_and_the_copy_runs_its_own_weights(tmp_path: Any
     assert _compiled_in_place(back[0]) and back[0].forward.module is back[0]
     x = torch.randn(2, 8)
     assert torch.equal(back(x), model(x))
+
+
+class _Masked(nn.Module):
+    """A block whose forward takes a keyword with a default, as a Trainer's model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's own docstring."""
+        y = torch.tanh(self.lin(x)) + x
+        return y if mask is None else y * mask
+
+
+class _MaskedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = _Masked(), _Masked(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.b(self.a(x, mask), mask))
+
+
+@pytest.mark.parametrize("fsdp", [False, _Masked])
+def test_what_inspects_or_traces_the_model_sees_its_own_forward(fsdp: Any) -> None:
+    """A wrap(compile=) model (whole, or each block) has its forward's signature, argspec,
+    name and docstring; torch.export, torch.jit.trace and torch.fx trace it to the plain
+    model's outputs; and it still runs compiled afterwards."""
+    import inspect
+
+    torch.manual_seed(0)
+    plain = _MaskedNet()
+    model = distributed.wrap(copy.deepcopy(plain), fsdp=fsdp, compile=EAGER)
+    x, mask = torch.randn(3, 8), (torch.rand(3, 8) > 0.5).float()
+    for module, ref in [(model, plain.forward), (model.a, plain.a.forward)]:
+        got = module.forward
+        assert inspect.signature(got) == inspect.signature(ref)  # a Trainer's column filter
+        assert inspect.getfullargspec(got) == inspect.getfullargspec(ref)
+        assert (got.__name__, got.__qualname__, got.__doc__) == (
+            ref.__name__, ref.__qualname__, ref.__doc__)  # fmt: skip
+        assert got.__code__ is ref.__code__ and got.__func__ is ref.__func__
+        assert got.__self__ is module
+    want = plain(x, mask)
+    exported = torch.export.export(model, (x,), {"mask": mask})
+    assert torch.equal(exported.module()(x, mask=mask), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's, said on each call
+        assert torch.equal(torch.jit.trace(model, (x, mask))(x, mask), want)
+    assert torch.equal(torch.fx.symbolic_trace(model)(x, mask), want)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    assert torch.equal(model(x, mask), want)
+    assert get_compilation_metrics(), "no longer compiled"

@@ -7,7 +7,7 @@ cycling), ``accumulate``, clipping, precisions (fp32, bf16) and update counts, t
 run must end with every weight and optimizer-state tensor within the tolerance below of the
 eager run's, the very same lrs (Python floats, outside the compiled call) and scheduler
 states, and no recompile caused by a learning rate; the step's frame compiles at most twice
-(the first call, and the call after the optimizer's state was created).
+(an update that creates the optimizer's state runs eagerly, the others compiled).
 
 Tolerance: the compiled step computes lr-derived factors as tensors where the eager one
 uses Python floats, so the last bits differ: per tensor, ``max|a - b| <= 1e-5 * max|b| +
