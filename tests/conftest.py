@@ -29,9 +29,14 @@ def dist_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def dist4_results(dist_out: Path) -> dict[str, Any]:
-    """Every scenario of dist4_worker.py (HSDP on a 2x2 mesh), run once by four processes."""
+    """Every scenario of dist4_worker.py (HSDP on a 2x2 mesh), run once by four processes.
+
+    Before it: a 1-process run stopped after a save, whose checkpoints the 4-rank and the
+    2-rank workers resume (on another number of processes)."""
+    import elastic
     from helpers import launch_scenarios
 
+    elastic.run(dist_out / "one" / "cut", stop=5)
     (dist_out / "four").mkdir()
     return launch_scenarios("tests/dist4_worker.py", dist_out / "four", world=4)
 
@@ -40,13 +45,11 @@ def dist4_results(dist_out: Path) -> dict[str, Any]:
 def dist_results(dist_out: Path, dist4_results: dict[str, Any]) -> dict[str, Any]:
     """Every scenario of dist_worker.py, run once by two processes, for every test file.
 
-    Before it: the 4-rank worker, and a 1-process run stopped after a save, whose
-    checkpoints the 2-rank worker resumes (on another number of processes).
+    Before it: the 4-rank worker, and its 1-process run stopped after a save, whose
+    checkpoints the 2-rank worker resumes too (on another number of processes).
     """
-    import elastic
     from helpers import launch_scenarios
 
-    elastic.run(dist_out / "one" / "cut", stop=5)
     return launch_scenarios("tests/dist_worker.py", dist_out)
 
 

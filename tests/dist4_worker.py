@@ -131,5 +131,49 @@ def hsdp_collectives(info: distributed.DistInfo) -> dict[str, Any]:
     return counts
 
 
+@scenario
+def hsdp_resave(info: distributed.DistInfo) -> dict[str, Any]:
+    """HSDP: update 2 saved three times, synchronously and in the background: each save
+    replaces the last, nothing is left beside it, and fresh objects resume it (weights and
+    EMA as the run's)."""
+    found = {}
+    for mode in ("sync", "async"):
+        root = Path(sys.argv[1]) / "hsdp_resave" / mode
+        parts = elastic.build(root, fsdp=True, replicate=2, async_save=mode == "async")
+        for i, (x, y, _) in enumerate(parts.step.iterate(parts.loader)):
+            with parts.step as s:
+                s.backward(nn.functional.mse_loss(parts.model(x), y))
+            parts.ckpt.maybe_save(every=2)
+            if i == 3:  # two updates of 2 micro-steps
+                break
+        parts.ckpt.save()
+        parts.ckpt.save()
+        parts.ckpt.wait()
+        fresh = elastic.build(root, fsdp=True, replicate=2)
+        resumed = fresh.ckpt.resume()
+        ours = [elastic.full(t) for t in (*parts.model.parameters(), *parts.average.shadow)]
+        theirs = [elastic.full(t) for t in (*fresh.model.parameters(), *fresh.average.shadow)]
+        found[mode] = {
+            "names": sorted(p.name for p in root.iterdir()),
+            "resumed": None if resumed is None else resumed.name,
+            "same": all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)),
+        }
+    return found
+
+
+@scenario
+def hsdp_resumed(info: distributed.DistInfo) -> dict[str, Any]:
+    """What HSDP holds right after resuming, before any update: the stopped HSDP run's
+    checkpoint (as saved), and the 1-process one-file checkpoint (reseed=True): each rank
+    cuts its part out of the file. The pytest side compares each with the resume of the
+    saving shape."""
+    out = Path(sys.argv[1])
+    one = out.parent / "one" / "cut"
+    return {
+        "same": elastic.resumed(out / "hsdp" / "for_two", fsdp=True, replicate=2),
+        "grown": elastic.resumed(one, fsdp=True, replicate=2, reseed=True),
+    }
+
+
 if __name__ == "__main__":
     run_scenarios(SCENARIOS, world=4)

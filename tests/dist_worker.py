@@ -614,8 +614,12 @@ def sharded_checkpoint(info: distributed.DistInfo) -> dict[str, Any]:
 @scenario
 def world_change(info: distributed.DistInfo) -> dict[str, Any]:
     """Runs on 2 ranks for the 1-process resumes of the pytest side (DDP and FSDP2: whole and
-    stopped at update 5, saved at 4); a 1-process checkpoint resumed here (grown, DDP) and
-    the 4-rank HSDP one resumed on FSDP2 (shrunk), each with reseed=True; the refusals."""
+    stopped at update 5, saved at 4); a 1-process checkpoint resumed here (grown: DDP, and
+    FSDP2 from its one file) and the 4-rank HSDP one resumed on FSDP2 (shrunk), each with
+    reseed=True; what each resume holds before its first update (``*_resumed``: also the
+    DDP and FSDP2 checkpoints resumed by 2 ranks as saved, and each by the other wrapping);
+    the refusals."""
+    import shutil
     import sys
     from pathlib import Path
 
@@ -628,6 +632,18 @@ def world_change(info: distributed.DistInfo) -> dict[str, Any]:
         found[f"{kind}_whole"] = elastic.run(root / f"{kind}_whole", fsdp=fsdp)
         found[f"{kind}_cut"] = elastic.run(root / f"{kind}_cut", fsdp=fsdp, stop=5)
     one = out / "one" / "cut"  # written by 1 process before this launch (conftest.py)
+    grow = out / "one" / "for_fsdp"  # a copy for FSDP2 (the DDP resume below saves into one)
+    if info.rank == 0:
+        shutil.copytree(one, grow)
+    dist.barrier()
+    four = out / "four" / "hsdp" / "for_two"
+    for name, where, reseed in (("fsdp_cut", root / "fsdp_cut", False), ("grown_fsdp", grow, True),
+                                ("shrunk", four, True)):  # fmt: skip
+        found[f"{name}_resumed"] = elastic.resumed(where, fsdp=True, reseed=reseed)
+    # The same number of processes, the other wrapping: DDP's one file, FSDP2's directory.
+    found["ddp_cut_resumed"] = elastic.resumed(root / "ddp_cut")
+    found["ddp_cut_as_fsdp_resumed"] = elastic.resumed(root / "ddp_cut", fsdp=True)
+    found["fsdp_cut_as_ddp_resumed"] = elastic.resumed(root / "fsdp_cut")
     for name, how in (("refused", {}), ("other_batch", {"global_batch_size": 4, "reseed": True})):
         parts = elastic.build(one, global_batch_size=how.get("global_batch_size", 8))
         before = [p.detach().clone() for p in parts.model.parameters()]
@@ -640,7 +656,8 @@ def world_change(info: distributed.DistInfo) -> dict[str, Any]:
             torch.equal(a, p) for a, p in zip(before, parts.model.parameters(), strict=True)
         )
     found["grown"] = elastic.run(one, reseed=True)
-    found["shrunk"] = elastic.run(out / "four" / "hsdp" / "for_two", fsdp=True, reseed=True)
+    found["grown_fsdp"] = elastic.run(grow, fsdp=True, reseed=True)
+    found["shrunk"] = elastic.run(four, fsdp=True, reseed=True)
     return found
 
 
@@ -733,6 +750,101 @@ def sharded_edges(info: distributed.DistInfo) -> dict[str, Any]:
             "resumed": None if resumed is None else resumed.name}  # fmt: skip
 
 
+def _resave_build(root: Any, async_save: bool) -> tuple[Any, ...]:
+    """FSDP2 with skip_nonfinite and AdamW: the model, its step, loader and Checkpointer."""
+    torch.manual_seed(0)
+    model = distributed.wrap(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)),
+                             fsdp=nn.Linear)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                             torch.randn(64, 2, generator=g))  # fmt: skip
+    loader = distributed.loader(dataset, global_batch_size=8, seed=1, num_workers=0)
+    step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        skip_nonfinite=True)  # fmt: skip
+    ckpt = loopkit.Checkpointer(root, model=model, step=step, loader=loader,
+                                async_save=async_save)  # fmt: skip
+    return model, step, loader, ckpt
+
+
+def _resave_run(root: Any, async_save: bool) -> tuple[Any, ...]:
+    """``_resave_build``'s run, resumed if saved, else saving every update: batch 2's loss
+    is nan (skipped, so maybe_save saves update 2 again), batches 0-4 trained, then two
+    save()s of update 4. The model, its step and Checkpointer."""
+    model, step, loader, ckpt = _resave_build(root, async_save)
+    if ckpt.resume() is None:
+        for i, (x, y) in enumerate(step.iterate(loader)):
+            with step as s:
+                loss = nn.functional.mse_loss(model(x), y)
+                s.backward(loss * float("nan") if i == 2 else loss)
+            ckpt.maybe_save(every=1)
+            if i == 4:
+                break
+        ckpt.save()
+        ckpt.save()
+        ckpt.wait()
+    return model, step, ckpt
+
+
+def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two runs (model, step, ...) hold the same weights and Adam moments."""
+
+    def whole(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        return [t.full_tensor() for t in (*model.parameters(), *moments)]  # type: ignore[attr-defined]
+
+    pairs = zip(whole(a[0], a[1].optimizer), whole(b[0], b[1].optimizer), strict=True)
+    return all(torch.equal(x, y) for x, y in pairs)
+
+
+@scenario
+def sharded_resave(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 re-saving updates already saved (a skipped window then maybe_save; two save()
+    calls), synchronously and in the background: each checkpoint replaced, nothing left
+    beside them; fresh objects resume the newest (weights, moments, the skip counted) and
+    the re-saved update 2 (its skip counted: the second save's). In the background, a save
+    whose shards rank 1 cannot write (its files capped): wait() raises on every rank naming
+    the checkpoint and the cause, and the checkpoint it would have replaced is left whole."""
+    import resource
+    import signal
+    import sys
+    from pathlib import Path
+
+    out: dict[str, Any] = {}
+    for mode, async_save in (("sync", False), ("async", True)):
+        root = Path(sys.argv[1]) / "resave" / mode
+        run = _resave_run(root, async_save)
+        names = sorted(p.name for p in root.iterdir())
+        fresh = _resave_run(root, async_save)
+        found = {"names": names, "skipped": (run[1].skipped, fresh[1].skipped),
+                 "updates": (run[1].updates, fresh[1].updates),
+                 "same": _same_state(run, fresh)}  # fmt: skip
+        if async_save:  # rank 1's disk refuses its shards of a re-save of update 4
+            dist.barrier()
+            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+            handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            if info.rank == 1:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+            try:
+                path = run[2].save()
+                try:
+                    run[2].wait()
+                    found["failed"] = None
+                except RuntimeError as err:
+                    found["failed"] = str(err)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+                signal.signal(signal.SIGXFSZ, handler)
+            dist.barrier()
+            found["path"] = None if path is None else str(path)
+            found["after"] = sorted(p.name for p in root.iterdir())
+            found["after_same"] = _same_state(run, _resave_run(root, async_save))
+        _, older_step, _, older_ckpt = _resave_build(root, async_save)
+        older_ckpt.resume(root / "ckpt-0000000002")
+        found["older"] = (older_step.updates, older_step.skipped)
+        out[mode] = found
+    return out
+
+
 @scenario
 def fsdp2_evaluate(info: distributed.DistInfo) -> dict[str, Any]:
     """evaluate under FSDP2 (13 samples, padded to 14 over 2 ranks): the sums of every
@@ -782,6 +894,81 @@ def micro_batch_probe(info: distributed.DistInfo) -> dict[str, Any]:
         finals.append([p.detach().clone() for p in model.parameters()])
     diff = max((a - b).abs().max().item() for a, b in zip(*finals, strict=True))
     return {"size": size, "max_diff": diff}
+
+
+class _Probed(nn.Module):
+    """A BatchNorm, a branch only the probe's 8-sample batch takes (``side``) and, with
+    ``oom``, an out-of-memory error in the backward of 8 samples (a trial cut short)."""
+
+    def __init__(self, oom: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.bn = nn.Linear(8, 16), nn.BatchNorm1d(16)
+        self.b, self.side, self.oom = nn.Linear(16, 2), nn.Linear(16, 2), oom
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(torch.tanh(self.a(x)))
+        if self.oom:
+            h = _OOMInBackward.apply(h)
+        return self.b(h) + self.side(h) if len(x) == 8 else self.b(h)  # type: ignore[no-any-return]
+
+
+class _OOMInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.samples = len(h)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.samples == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return grad
+
+
+@scenario
+def probe_taken_back(info: distributed.DistInfo) -> dict[str, Any]:
+    """probe_micro_batch on FSDP2, HSDP (a 2x1 mesh), DDP with find_unused_parameters and
+    FSDP2 whose 8-sample trial dies in its backward, then 2 updates (AdamW, accumulate=2):
+    the weights, BatchNorm statistics, gradients and AdamW's state equal, bit for bit, those
+    of the same run without the probe (a gradient left inside FSDP2 would be added to the
+    first update); so do the weights, gradients and RNG right after it."""
+    import elastic
+
+    found: dict[str, Any] = {}
+    how = {"fsdp": {"fsdp": nn.Linear}, "hsdp": {"fsdp": nn.Linear, "replicate": 2},
+           "ddp": {"find_unused_parameters": True}, "fsdp_oom": {"fsdp": nn.Linear}}  # fmt: skip
+    for kind, wrapping in how.items():
+        ends = []
+        for probe in (True, False):
+            model = distributed.wrap(_Probed(kind == "fsdp_oom"), **wrapping)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+            g = torch.Generator().manual_seed(info.rank)
+            if probe:
+                before = [elastic.full(t) for t in model.state_dict().values()]
+                rng = torch.get_rng_state()
+                big = (torch.randn(8, 8, generator=g) * 10, torch.randn(8, 2, generator=g))
+                found[f"{kind}_fits"] = loopkit.probe_micro_batch(model, opt, loss_of, big)
+                after = [elastic.full(t) for t in model.state_dict().values()]
+                found[f"{kind}_right_after"] = (
+                    all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                    and all(p.grad is None for p in model.parameters())
+                    and torch.equal(rng, torch.get_rng_state())
+                )
+            g = torch.Generator().manual_seed(info.rank)
+            step = loopkit.step(model, opt, accumulate=2)
+            for _ in range(4):
+                with step as s:
+                    s.backward(loss_of(model, (torch.randn(6, 8, generator=g),
+                                               torch.randn(6, 2, generator=g))))  # fmt: skip
+            moments = [v for state in opt.state.values() for v in state.values()]
+            grads = [p.grad is None for p in model.parameters()]
+            ends.append([elastic.full(t) for t in (*model.state_dict().values(), *moments)]
+                        + [torch.tensor(grads)])  # fmt: skip
+        found[kind] = len(ends[0]) == len(ends[1]) and all(
+            torch.equal(a, b) for a, b in zip(*ends, strict=True)
+        )
+    return found
 
 
 @scenario

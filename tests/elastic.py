@@ -157,6 +157,28 @@ def run(
     )
 
 
+def resumed(root: Path, **how: Any) -> dict[str, Any]:
+    """What a run built with ``how`` (``build``'s keywords, and ``reseed``) holds right after
+    resuming from ``root``, before any update: the weights, AdamW's moments and steps, the
+    EMA and its counts (gathered full tensors), the step's count, the scheduler's, the lr and
+    the loader's place. Reads ``root`` only."""
+    reseed = how.pop("reseed", False)
+    parts = build(root, **how)
+    path = parts.ckpt.resume(reseed=reseed)
+    opt = parts.step.optimizer
+    ema = parts.average.state_dict()
+    counts = [parts.step.updates, ema["updates"], ema["seen"], parts.sched.last_epoch,
+              parts.loader.epoch, parts.loader.position]  # fmt: skip
+    return {
+        "from": None if path is None else path.name,
+        "weights": [full(p) for p in parts.model.parameters()],
+        "moments": [full(v) for s in opt.state.values() for v in s.values()],
+        "ema": [full(t) for t in (*ema["shadow"].values(), *ema["buffers"].values())],
+        "counts": counts,
+        "lr": parts.sched.get_last_lr(),
+    }
+
+
 def coverage(before: list[list[int]], after: list[list[int]], resumed_at: int) -> list[list[int]]:
     """Each epoch's samples (sorted), from the first ``resumed_at`` updates of a stopped run
     and the updates of its resume (a pass is 6 batches: 3 updates of 2)."""

@@ -7,12 +7,22 @@ and renames it once complete, so a kill mid-write leaves no file or directory ca
 checkpoint's name. One save at a time: the next save, a resume, ``Checkpointer.wait()`` and
 ``loopkit.distributed.teardown`` first wait for the one in flight, and every rank learns
 whether every rank's part was written (one host-level exchange, on the calling thread).
+
+A failed write is never silent. One process raises it at the next ``maybe_save`` already;
+and a save not waited for when the interpreter exits is waited for there (its thread is not
+a daemon): if it failed, the process prints the checkpoint and the cause and exits with
+status 1, after running the other exit handlers (no exchange between ranks there: each
+rank judges its own part, and a launcher fails the job when one rank fails).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import copy
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +64,57 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+_UNCHECKED: set[Background] = set()
+"""Backgrounds whose save has not been waited for: judged at exit if still so."""
+_exit_hook = False
+
+
+def _at_exit() -> None:
+    """At interpreter exit (the writers' threads have ended): a save that failed unseen ends
+    the process with status 1, after the other exit handlers ran."""
+    lost = [b for b in _UNCHECKED if b._error is not None]
+    if not lost:
+        return
+    for b in lost:
+        assert b._error is not None
+        sys.stderr.write(
+            f"loopkit: {_failed(b._name, b._error)}. That checkpoint is not on disk: exiting "
+            "with status 1 (ckpt.wait() after the last save raises it where the program can "
+            "handle it)\n"
+        )
+    atexit.unregister(_at_exit)
+    atexit._run_exitfuncs()  # the others, once: this one ran first (_watch_exit)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or a full disk
+            stream.flush()
+    os._exit(1)  # the only way an exit status changes once the program has ended
+
+
+def _failed(name: str, error: BaseException) -> str:
+    """What a failed background save says: the checkpoint's path and the cause."""
+    said = f"{type(error).__name__}: {error}"
+    return f"the background save failed: {said}" if name in said else (
+        f"the background save of {name} failed: {said}")  # fmt: skip
+
+
+def _watch_exit() -> None:
+    """Have ``_at_exit`` run at exit, before the other exit handlers (so it can run them).
+
+    It is registered when threading's shutdown starts (the last registered runs first);
+    without that hook (a Python that lacks it), now."""
+    global _exit_hook
+    if _exit_hook:
+        return
+    _exit_hook = True
+    at_shutdown = getattr(threading, "_register_atexit", None)
+    try:
+        if at_shutdown is None:
+            raise RuntimeError("no threading._register_atexit")
+        at_shutdown(atexit.register, _at_exit)
+    except RuntimeError:  # missing, or shutdown has started: register it now
+        atexit.register(_at_exit)
+
+
 class Background:
     """The one background save of a Checkpointer in flight, and the process group its
     sharded writes talk in (not the training's: a collective on another thread would
@@ -79,8 +140,14 @@ class Background:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
+    def failed_alone(self) -> bool:
+        """Whether the save's thread failed, in a one-process run (where ``finish`` can
+        raise it at once: several ranks must raise alike, at their next ``finish``)."""
+        return self._error is not None and not _ranks.is_multi_rank()
+
     def start(self, name: str, write: Callable[[], None]) -> None:
-        """Run ``write`` on a thread; what it raises is reported by ``finish``."""
+        """Run ``write`` on a thread (``name``: the checkpoint's path); what it raises is
+        reported by ``finish``, or at exit if nothing called it."""
         assert self._thread is None, "finish() the save in flight first"
         self._error, self._name = None, name
 
@@ -92,7 +159,9 @@ class Background:
 
         # Not a daemon: an interpreter that exits waits for the write to complete.
         self._thread = threading.Thread(target=run, name=f"loopkit save {name}", daemon=False)
+        _watch_exit()
         self._thread.start()
+        _UNCHECKED.add(self)
         _job.before_teardown(self.finish)
 
     def finish(self) -> None:
@@ -105,9 +174,10 @@ class Background:
         self._thread = None
         error = self._error
         self._error = None
+        _UNCHECKED.discard(self)  # reported below, on every rank, if it failed
         failed = _ranks.gather_objects(None if error is None else repr(error))
         if error is not None:
-            raise RuntimeError(f"the background save of {self._name} failed: {error!r}") from error
+            raise RuntimeError(_failed(self._name, error)) from error
         for rank, said in enumerate(failed):
             if said is not None:
                 raise RuntimeError(

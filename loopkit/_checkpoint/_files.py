@@ -6,12 +6,18 @@ the ``ckpt-*.pt`` name, so a crash during a save leaves the previous checkpoints
 were. Each writer's temporary has its own name (host, pid, random suffix) and is held
 under an exclusive ``flock`` while it is written, so the clean-up of a crashed save's
 leftovers never deletes a live writer's file (another process saving into the same
-directory). Reading uses ``torch.load(weights_only=True)``: nothing in a file can run code.
+directory). A sharded model's checkpoint (a directory) replacing one of its number (a
+re-save at the same update) takes its name by two renames (``replace_dir``); a writer
+killed between them leaves the old one aside, which ``restore_replaced`` puts back. A write
+the disk refuses raises an ``OSError`` naming the checkpoint and the cause (``No space left
+on device``), its temporary removed. Reading uses ``torch.load(weights_only=True)``:
+nothing in a file can run code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import re
@@ -21,8 +27,9 @@ import socket
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -35,6 +42,9 @@ FORMAT = "loopkit-checkpoint-1"
 # A file, or a directory (a sharded model's checkpoint: ``_sharded``).
 _NAME = re.compile(r"^ckpt-(\d{10})(\.pt)?$")
 _TEMPORARIES = ".ckpt-*.tmp*"
+# A replaced checkpoint directory renamed aside (``replace_dir``): its name, the writer's pid,
+# a random suffix. No host in it: a host's name may hold ".tmp", which _TEMPORARIES matches.
+_ASIDE = re.compile(r"^\.(ckpt-\d{10})\.old-\d+-[0-9a-f]+$")
 HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 """This host's name, as temporaries are named (a writer's host, pid and a random suffix)."""
 
@@ -61,8 +71,16 @@ def checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and the temporaries of dead saves."""
+def prune(directory: Path, keep: int, written: Path | None = None) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and the leftovers of dead saves.
+
+    ``written``: the checkpoint just written, whose number may name a checkpoint of the
+    other kind (a file where a directory is written, or the reverse: a run resumed on
+    another number of processes): that one is older, and goes first."""
+    if written is not None:
+        twin = written.with_name(written.name[:-3] if written.suffix == ".pt" else
+                                 f"{written.name}.pt")  # fmt: skip
+        remove(twin)
     for old in checkpoints(directory)[:-keep]:
         remove(old)
     remove_stale_temporaries(directory)
@@ -77,35 +95,74 @@ def remove(path: Path) -> None:
 
 
 def remove_stale_temporaries(directory: Path) -> None:
-    """Delete temporaries of saves that died; never one a live writer is writing."""
+    """Delete temporaries of saves that died, never one a live writer is writing; settle
+    the checkpoints a dead writer was replacing (``restore_replaced``)."""
     if not directory.is_dir() or sys.platform == "win32":
         # Without flock a live writer's temporary cannot be told from a dead one's:
         # leave them (hidden files; they never carry a checkpoint's name).
         return
+    restore_replaced(directory)
     for tmp in directory.glob(_TEMPORARIES):
-        try:
-            fd = os.open(tmp, os.O_RDONLY)
-        except OSError:
-            continue  # renamed or removed meanwhile
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live writer holds it
-            # Its writer is gone (the kernel drops a dead process's lock). The name must
-            # still be this inode: a finished save has renamed its file away.
-            try:
-                same = os.stat(tmp).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                continue
-            if same:
+        with _abandoned(tmp) as dead:
+            if dead:
                 remove(tmp)  # while locked: see atomic_save (a directory: _sharded.write)
-        finally:
-            os.close(fd)
 
 
-def atomic_save(state: object, path: Path) -> None:
-    """Write ``state`` to ``path`` so that the name holds the old file or the whole new one."""
+def restore_replaced(*directories: Path) -> None:
+    """Settle each checkpoint directory a dead writer renamed aside (``replace_dir``) in
+    ``directories``: back under its name if the new one never took it, deleted if it did. A
+    resume calls it first (rank zero, before any rank lists the checkpoints)."""
+    for aside in (a for d in directories if d.is_dir() for a in d.glob(".ckpt-*.old-*")):
+        directory = aside.parent
+        match = _ASIDE.match(aside.name)
+        if match is None:
+            continue
+        with _abandoned(aside, lockless=True) as dead:
+            if not dead:
+                continue
+            name = directory / match.group(1)
+            if name.exists():
+                remove(aside)  # the new one is in place: the rest of the old one goes
+            else:
+                os.rename(aside, name)  # killed between the renames: the old one, whole
+                fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def _abandoned(path: Path, lockless: bool = False) -> Iterator[bool]:
+    """Whether ``path``'s writer is gone (its lock free; the kernel drops a dead process's
+    lock), held locked meanwhile. Without locks (Windows, a filesystem without flock) no
+    writer can be told from a dead one: ``lockless`` is the answer then (a checkpoint set
+    aside is put back: no save of this job is running when a resume asks)."""
+    if sys.platform == "win32":
+        yield lockless
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield False  # renamed or removed meanwhile
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:  # a live writer holds it, or the filesystem has no locks
+            yield lockless and err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+            return
+        # The name must still be this inode: a finished save has renamed its file away.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        yield same
+    finally:
+        os.close(fd)
+
+
+def atomic_save(state: object, path: Path, checkpoint: Path | None = None) -> None:
+    """Write ``state`` to ``path`` so that the name holds the old file or the whole new one.
+
+    A write the disk refuses raises an ``OSError`` naming ``checkpoint`` (default ``path``)
+    and the cause, the temporary removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # The temporary is named for its writer (host, pid, random) and locked while it lives:
     # remove_stale_temporaries deletes only temporaries whose lock it can take.
@@ -123,17 +180,86 @@ def atomic_save(state: object, path: Path) -> None:
         # A clean-up locked and deleted it between our open and our lock: start afresh.
         os.close(fd)
     f = os.fdopen(fd, "wb")
+    sink = _Sink(f)
     try:
-        torch.save(state, f)
+        torch.save(state, cast(IO[bytes], sink))  # it calls write and flush only
         f.flush()
         os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: the name points at the old or the new file
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        cause = err if isinstance(err, OSError) else sink.error
+        if cause is not None and isinstance(err, Exception):
+            raise write_failed(checkpoint or path, cause) from err
         raise
     finally:
-        f.close()  # releases the lock, after the rename
+        with contextlib.suppress(OSError):  # a flush the disk refuses: reported above
+            f.close()  # releases the lock, after the rename
     fsync_dir(path.parent)
+
+
+class _Sink:
+    """The temporary as ``torch.save`` writes it, keeping the ``OSError`` a write raised:
+    torch reports it as its own error (``unexpected pos``), naming neither file nor cause."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return int(self.f.write(data))
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = err
+            raise
+
+
+def write_failed(checkpoint: Path, cause: BaseException, part: str = "") -> OSError:
+    """The error of a checkpoint the disk refused (``part`` of it: a rank's shards): its
+    path, the cause (``No space left on device``, ``File too large``, a quota), ``cause``'s
+    errno kept for callers to test."""
+    number = cause.errno if isinstance(cause, OSError) else None
+    said = (cause.strerror if isinstance(cause, OSError) else None) or repr(cause)
+    return OSError(
+        number if number is not None else errno.EIO,
+        f"cannot write the checkpoint {checkpoint}{part}: {said} (nothing of it is left on "
+        "disk; the checkpoints written before are as they were)",
+    )
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Rename the complete checkpoint directory ``tmp`` to ``path``, replacing the one there
+    (a re-save at the same update), so that a resume finds the old or the new one, whole.
+
+    A directory cannot be renamed over another: the old one is renamed aside (locked by
+    this writer until deleted), the new one takes the name, then the old one goes. Killed
+    between the renames, ``restore_replaced`` puts the old one back; killed while it is
+    deleted, it deletes the rest."""
+    if not path.exists():
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return
+    aside = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    lock = hold(path)
+    try:
+        os.rename(path, aside)
+        fsync_dir(path.parent)  # on disk before the name is taken: a crash finds one of them
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(aside, path)
+            raise
+        fsync_dir(path.parent)
+        remove(aside)
+    finally:
+        os.close(lock)
 
 
 def hold(path: Path) -> int:

@@ -7,6 +7,7 @@ far is put back (``_contract.load_all``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import cast
@@ -16,8 +17,17 @@ import torch
 from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
-from . import _sharded
-from ._contract import ExtraStates, StatePiece, UserState, check_all, load_all, need, spread
+from . import _from_whole, _sharded
+from ._contract import (
+    ExtraStates,
+    StatePiece,
+    UserState,
+    check_all,
+    load_all,
+    need,
+    per_rank,
+    spread,
+)
 from ._step_state import StepsState, StepState
 
 BOOKKEEPING = ("format", "world_size", "saves")
@@ -107,10 +117,21 @@ def _as_checkpoint_error(err: Exception, target: Path | None) -> Exception:
     return error
 
 
-def _live(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> dict[str, object]:
-    """The run's own state of the pieces whose saved state holds shards (their layout)."""
-    names = {str(path[0]) for path, _ in _sharded.located(state) if path}
+def _live(pieces: Mapping[str, StatePiece], names: set[str]) -> dict[str, object]:
+    """The run's own state of the pieces ``names`` (their layout)."""
     return {name: _laid_out(pieces[name]) for name in names if name in pieces}
+
+
+def _holding_shards(state: Mapping[str, object]) -> set[str]:
+    """The pieces whose saved state holds shards (placeholders)."""
+    return {str(path[0]) for path, _ in _sharded.located(state) if path}
+
+
+def _holding_tensors(state: Mapping[str, object], pieces: Mapping[str, StatePiece]) -> set[str]:
+    """The pieces, one state for all ranks, whose saved state holds a tensor (which the run
+    may hold sharded)."""
+    return {name for name, saved in state.items() if name in pieces
+            and not per_rank(pieces[name]) and _from_whole.holds_tensors(saved)}  # fmt: skip
 
 
 def _laid_out(piece: StatePiece) -> object:
@@ -139,7 +160,8 @@ def read_agreed(
     are returned, to be undone if loading fails. Raises the error every rank agreed on,
     with nothing moved; when ``target`` is the newest and unreadable, the error names the
     ``older`` checkpoints that a resume by path can use. ``sharded``: the run's model is
-    sharded (the same on every rank): its shards are read once every rank found the file fits.
+    sharded (the same on every rank): its shards are read once every rank found the file fits;
+    a file of whole tensors (one process's, DDP's) gives each rank its part of them.
     ``reseed``: a file written by another number of processes is resumed (``check_file``).
     """
     error: Exception | None = None
@@ -148,16 +170,15 @@ def read_agreed(
     shards: dict[str, torch.Tensor] = {}
     try:
         if target is not None:
-            state = files.load_checkpoint(target)
-            if sharded and not _sharded.placeholders(state):
-                raise CheckpointError(
-                    f"{target}: saved from a model that was not sharded, but this run's is "
-                    "(FSDP2): resume with the model wrapped as when saving, or load the "
-                    "weights (loopkit.export_weights) into the model before sharding it"
-                )
+            whole = sharded and not target.is_dir()  # one process's or DDP's, into shards
+            with _from_whole.mapped() if whole else contextlib.nullcontext():
+                state = files.load_checkpoint(target)
+            if whole:
+                live = _live(pieces, _holding_tensors(state, pieces))
+                state = cast(Mapping[str, object], _from_whole.cut(state, live))
             if _sharded.placeholders(state):  # checked before any shard is read
                 try:
-                    shards = _sharded.templates(state, _live(pieces, state))
+                    shards = _sharded.templates(state, _live(pieces, _holding_shards(state)))
                 except CheckpointError as err:  # said without the file: name it
                     raise CheckpointError(f"{target}: {err}") from err
     except Exception as err:

@@ -32,12 +32,13 @@ from .._step import _accumulate, _compose, _group, _misuse
 from .._types import Clock, Stateful
 from . import _adopt, _sharded, _standing
 from . import _files as files
-from ._background import Background, staged
+from ._background import Background
 from ._contract import StatePiece, need, per_rank
-from ._deferred import DeferredSave, written_before_epoch_code
+from ._deferred import DeferredSave, EpochCode
 from ._pieces import pieces_for
 from ._resume import check_can_add, load_file, read_agreed
 from ._step_state import StepsState, StepState
+from ._write import write
 
 
 class Checkpointer:
@@ -53,9 +54,10 @@ class Checkpointer:
 
     Checkpoints are named by the step's update count, or (without ``step=``) by the
     Checkpointer's own count of saves, which carries over a resume. With ``loader=``, a
-    ``maybe_save`` (or a stop's save) on the window that ends a pass of the loader is
-    deferred to the start of the next pass, so it holds what the epoch's code did after its
-    last window (a per-epoch ``scheduler.step()``, an evaluation, the RNG it used); call
+    ``maybe_save`` on the window that ends a pass of the loader is deferred to the start of
+    the next pass, so it holds what the epoch's code did after its last window (a per-epoch
+    ``scheduler.step()``, an evaluation, the RNG it used); a ``save()`` (or a stop's) there,
+    inside the loop over the pass, says that code is still to run, and a resume runs it. Call
     ``save_if_needed()`` after the loop to keep the final state (``epochs()`` does).
 
     ``async_save=True``: a save copies the state to host memory and returns; a thread
@@ -98,7 +100,8 @@ class Checkpointer:
         self.last_saved_update: int | None = None
         self._saved_windows: int | None = None  # windows closed at the last save or resume
         self._saves = 0  # checkpoints written in this run's lineage (names them without step=)
-        self._deferred = DeferredSave(loader, self.save)
+        self._deferred = DeferredSave(loader, lambda: _write_now(self, before_code=False))
+        self._epoch_code = EpochCode(loader)
         stepper = self.pieces.get("step")
         self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
         self._used = False  # a save or a resume happened: the set of pieces is fixed
@@ -159,29 +162,13 @@ class Checkpointer:
         """Write a checkpoint now; returns its path on rank zero (None on other ranks).
 
         Also writes (and so cancels) a save that ``maybe_save`` deferred to the next pass.
-        With ``async_save=True`` it returns once the state is copied to host memory, and a
-        thread writes it (the path is complete after ``wait()``); a save still in flight is
-        finished first.
+        On the window that ends a pass of ``loader=``, inside the loop over it (its
+        ``iterate``), the file says the epoch's code after the pass is still to run (a resume
+        runs it). With ``async_save=True`` it returns once the state is copied to host
+        memory, and a thread writes it (the path is complete after ``wait()``); a save still
+        in flight is finished first.
         """
-        self.wait()
-        _standing.idle_save(self)
-        state = self.state_dict()
-        self._used = True
-        state["saves"] = self._saves + 1
-        for name, piece in self.pieces.items():
-            if per_rank(piece):
-                state[name] = _ranks.gather_objects(piece.state_dict())  # a host-level collective
-        number = self._updates() if self.step is not None else self._saves + 1
-        path, error = _write(state, self.directory, number, self.keep, self._background)
-        # Every rank learns whether the file was written (no rank may read or prune before
-        # it is complete, and none goes on as if it were saved when it is not).
-        failed = _ranks.gather_objects(None if error is None else repr(error))[0]
-        if error is not None:
-            raise error
-        if failed is not None:
-            raise RuntimeError(f"rank 0 could not write the checkpoint: {failed}")
-        self._count_saved(self._saves + 1)
-        return path
+        return _write_now(self, before_code=self._epoch_code.in_loop(self._acc, self.ends_pass()))
 
     def maybe_save(self, every: int) -> Path | None:
         """Save when the optimizer has made a multiple of ``every`` updates since the last save.
@@ -195,10 +182,11 @@ class Checkpointer:
         acc = self._acc
         if acc is None:
             raise RuntimeError("maybe_save needs step= (to count updates); call save() instead")
+        _raise_failed_write(self)
         updates = acc.updates
         # Saved already: this update, unless a window skipped since (inf/nan) changed the
         # state without changing the count (its counters, the GradScaler, the data's place).
-        saved = updates == self.last_saved_update and self._saved_windows == self._windows_closed()
+        saved = updates == self.last_saved_update and _holds_state(self)
         if not updates or acc.settle() or updates % every or saved:
             return None
         if updates == self._deferred.update:
@@ -221,7 +209,7 @@ class Checkpointer:
         written now, the file saying that the epoch's code after its last window is still to
         run, which a resumed run then runs."""
         if not defer and self.ends_pass():
-            return written_before_epoch_code(self.pieces, self._deferred, self.save)
+            return _write_now(self, before_code=True)
         if self._acc is not None:
             return self.maybe_save(every=1)
         if self.ends_pass():
@@ -232,20 +220,24 @@ class Checkpointer:
     def save_if_needed(self) -> Path | None:
         """Save unless the newest checkpoint already holds this state (e.g. after the loop).
 
-        Writes a save that ``maybe_save`` deferred; without ``step=`` it always saves.
+        Writes a save that ``maybe_save`` deferred; without ``step=`` it always saves. Waits
+        for the background save in flight first (``wait``: it holds this state once written).
         """
+        self.wait()
         if self._acc is None or self.save_pending:
             return self.save()
-        if self._saved_windows == self._windows_closed():
+        if _holds_state(self):
             _standing.idle_save(self)
             return None
         return self.save()
 
-    def _count_saved(self, saves: int) -> None:
-        """After a save or a resume: ``saves`` name the next; no save is due or deferred."""
+    def _count_saved(self, saves: int, code_left: bool = False) -> None:
+        """After a save or a resume: ``saves`` name the next; no save is due or deferred;
+        ``code_left``: the checkpoint's epoch has its code after the pass still to run."""
         self._saves, self.last_saved_update = saves, self._updates()
         self._saved_windows = self._windows_closed()
         self._deferred.cancel()
+        self._epoch_code.set(code_left)
 
     def wait(self) -> None:
         """Wait until the background save in flight is on disk (every rank calls it; so does
@@ -292,6 +284,36 @@ class Checkpointer:
         _adopt.adopt(self, updates, epoch)
 
 
+def _write_now(ckpt: Checkpointer, before_code: bool) -> Path | None:
+    """``save()``; ``before_code``: taken before the epoch's code after the loader's pass."""
+    ckpt.wait()
+    _standing.idle_save(ckpt)
+    with ckpt._epoch_code.saving(ckpt.pieces, before_code, ckpt.ends_pass()):
+        state = ckpt.state_dict()
+    ckpt._used = True
+    state["saves"] = ckpt._saves + 1
+    for name, piece in ckpt.pieces.items():
+        if per_rank(piece):
+            state[name] = _ranks.gather_objects(piece.state_dict())  # a host-level collective
+    number = ckpt._updates() if ckpt.step is not None else ckpt._saves + 1
+    path = write(state, ckpt.directory, number, ckpt.keep, ckpt._background)
+    ckpt._count_saved(ckpt._saves + 1, code_left=before_code)
+    return path
+
+
+def _holds_state(ckpt: Checkpointer) -> bool:
+    """Whether the newest checkpoint holds the run's state: no window closed since (a skipped
+    one included), nor has the epoch's code it left to run run since."""
+    return ckpt._saved_windows == ckpt._windows_closed() and not ckpt._epoch_code.moved
+
+
+def _raise_failed_write(ckpt: Checkpointer) -> None:
+    """In one process, raise a background write that failed (``wait``) as soon as it did:
+    ranks must raise alike, so a job of several learns it at the next save or wait."""
+    if ckpt._background is not None and ckpt._background.failed_alone():
+        ckpt.wait()
+
+
 def _refuse_mid_window(acc: Clock | None) -> None:
     if acc is not None and acc.settle():
         raise RuntimeError(
@@ -311,6 +333,9 @@ def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None
     if not isinstance(reseed, bool):
         raise TypeError(f"reseed must be True or False, got {reseed!r}")
     ckpt.wait()  # a save in flight is what a resume must find
+    if _ranks.world()[0] == 0:  # a re-save killed between its renames: the old one back
+        files.restore_replaced(ckpt.directory, *([] if path is None else [path.parent]))
+    _ranks.barrier()  # before any rank lists the checkpoints
     relaunch = not ckpt._used  # the run starts from it (not a rollback within a run)
     ckpt._used = True  # even a refused resume: pieces added now would miss its checks
     found = ckpt.checkpoints() if path is None else []
@@ -333,40 +358,7 @@ def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None
         ckpt._standing = kept  # as before the call
         raise
     _misuse.resumed()  # schedulers moved by a load, not stepped: no step's guard objects
-    ckpt._count_saved(need(state, "saves", int, "'saves'"))
+    left = ckpt.loader is not None and _standing.tail_left(ckpt.loader)
+    ckpt._count_saved(need(state, "saves", int, "'saves'"), code_left=left)
     _standing.watch(ckpt)
     return target
-
-
-def _write(
-    state: dict[str, Any], directory: Path, number: int, keep: int, background: Background | None
-) -> tuple[Path | None, Exception | None]:
-    """Write checkpoint ``number`` and prune to ``keep``; the path on rank zero (None on the
-    others) and rank zero's error. A sharded model's state: every rank writes its shards (a
-    collective, which raises on every rank alike when a rank cannot write its part). With
-    ``background``: staged now, written by its thread (every rank starts one, so every rank
-    waits for it alike)."""
-    rank = _ranks.world()[0]
-    if _sharded.holds_shards(state):
-        where = files.path_for(directory, number, sharded=True)
-        _sharded.write(state, where, background, lambda: files.prune(directory, keep))
-        return (where if rank == 0 else None), None
-    path = files.path_for(directory, number)
-    if background is not None:
-        copy = staged(state) if rank == 0 else None
-
-        def write() -> None:
-            if rank == 0:
-                files.atomic_save(copy, path)
-                files.prune(directory, keep)
-
-        background.start(path.name, write)
-        return (path if rank == 0 else None), None
-    if rank != 0:
-        return None, None
-    try:
-        files.atomic_save(state, path)
-        files.prune(directory, keep)
-    except Exception as err:
-        return path, err
-    return path, None

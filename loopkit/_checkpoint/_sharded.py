@@ -13,7 +13,8 @@ resume finds each tensor by the placeholder's place in ``loop.pt``, never by par
 key, so checkpoints written before the escaping read alike. The directory is written
 under a temporary name and renamed once every rank's shards and ``loop.pt`` are on disk,
 so a checkpoint that carries a checkpoint's name is complete; a killed save leaves only a
-temporary.
+temporary. A re-save at an update already saved replaces that directory (``_files.
+replace_dir``: a resume finds the old one or the new one, whole).
 
 A resume reads ``loop.pt`` (``weights_only``: nothing runs code), checks every placeholder
 against the tensor the run holds at the same place (its global shape and dtype), and only
@@ -25,6 +26,7 @@ store are never read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -245,6 +247,28 @@ def single_process_read() -> Iterator[None]:
         yield
 
 
+def _shards_failed(path: Path, err: BaseException) -> OSError:
+    """DCP's failure to write ``path``'s shards as an ``OSError`` naming the checkpoint and
+    the first failing rank's cause (its errno kept: a full disk is ``ENOSPC``)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items())[0]
+        if isinstance(failure, tuple) and failure:  # (the exception, its frames)
+            failure = failure[0]
+        cause = failure
+        while isinstance(cause, BaseException) and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__  # lost where it came from another rank
+        if isinstance(cause, OSError):
+            return files.write_failed(path, cause, f" (rank {rank}'s shards)")
+        if "unexpected pos" in str(failure):  # torch.save's word for a write its file refused
+            return OSError(
+                errno.EIO,
+                f"cannot write the checkpoint {path}: a write of rank {rank}'s shards failed, "
+                f"as on a full disk or past a quota or file-size limit (torch: {failure})",
+            )
+    return OSError(f"cannot write the checkpoint {path}: its shards: {_first_failure(err)}")
+
+
 def _first_failure(err: BaseException) -> str:
     """The first rank's failure in DCP's exception (which holds one per rank)."""
     failures = getattr(err, "failures", None)
@@ -278,13 +302,23 @@ def write(
     name = f".{path.name}.tmp-{files.HOST}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp = path.with_name(str(_ranks.gather_objects(name)[0]))  # rank zero's name, for all
     lock = None
+    made: OSError | None = None
     if rank == 0:
-        tmp.mkdir(parents=True)
-        lock = files.hold(tmp)  # a clean-up of dead saves' temporaries leaves it alone
+        try:
+            tmp.mkdir(parents=True)
+            lock = files.hold(tmp)  # a clean-up of dead saves' temporaries leaves it alone
+        except OSError as err:  # a full disk: every rank learns it below, before any write
+            made = files.write_failed(path, err)
     _ranks.barrier()  # made before any rank looks for it
     # Every rank must write into the directory rank zero made: one path, one filesystem.
-    looked = _ranks.gather_objects((str(tmp.parent), tmp.is_dir()))
-    blind = [r for r, (_, seen) in enumerate(looked) if not seen]
+    looked = _ranks.gather_objects(
+        (str(tmp.parent), tmp.is_dir(), None if made is None else str(made))
+    )
+    if looked[0][2] is not None:  # rank zero could not make it: no rank writes
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise made or OSError(looked[0][2])
+    blind = [r for r, (_, seen, _) in enumerate(looked) if not seen]
     if blind:
         if lock is not None:
             os.close(lock)
@@ -301,11 +335,12 @@ def write(
             try:
                 wait()
             except CheckpointException as err:  # a BaseException in DCP: every rank gets it
-                raise OSError(f"writing the shards failed: {_first_failure(err)}") from err
+                raise _shards_failed(path, err) from err
             if rank == 0:
-                files.atomic_save(loop, tmp / LOOP_FILE)
-                os.replace(tmp, path)  # complete: it carries a checkpoint's name from now on
-                files.fsync_dir(path.parent)
+                files.atomic_save(loop, tmp / LOOP_FILE, checkpoint=path)
+                # Complete: it carries a checkpoint's name from now on (replacing one of the
+                # same update, a re-save, as a one-file checkpoint is replaced).
+                files.replace_dir(tmp, path)
                 prune()
         except BaseException:
             if rank == 0:
@@ -319,7 +354,7 @@ def write(
         group = background.group()
         loop = staged(loop)  # training goes on: the thread writes this copy
         future = async_save(tensors, checkpoint_id=str(tmp), process_group=group)
-        background.start(path.name, lambda: complete(future.result))  # type: ignore[union-attr]
+        background.start(str(path), lambda: complete(future.result))  # type: ignore[union-attr]
         return
     error: Exception | None = None
     try:
@@ -329,5 +364,6 @@ def write(
     failed = _ranks.gather_objects(None if error is None else repr(error))
     if error is not None:
         raise error
-    if any(f is not None for f in failed):
-        raise RuntimeError(f"a rank could not write its shards of the checkpoint: {failed}")
+    for r, said in enumerate(failed):
+        if said is not None:  # rank zero's loop.pt or rename, say: the others learn it here
+            raise RuntimeError(f"rank {r} could not write its part of {path}: {said}")

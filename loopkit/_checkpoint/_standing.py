@@ -27,6 +27,7 @@ from .._step._feed import LIMITS
 from .._step._misuse import _warn, user_frame
 from .._types import Clock
 from ._contract import StatePiece
+from ._deferred import EpochCode
 from ._epoch_loop import epoch_counter
 from ._resume import number_of
 
@@ -38,7 +39,8 @@ class Standing:
     """What a Checkpointer knows of the resume its run started from."""
 
     __slots__ = (
-        "epoch", "epochs_loop", "finished", "line", "path", "relaunch", "stop", "told", "windows"
+        "code_left", "epoch", "epochs_loop", "finished", "line", "path", "relaunch", "stop",
+        "told", "windows",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -48,6 +50,7 @@ class Standing:
         self.relaunch = False  # the resume was this Checkpointer's first use: a run starts here
         self.windows = 0  # windows closed at the resume (updates and skips)
         self.epoch = 0  # the loader's next epoch at the resume
+        self.code_left = False  # that epoch's batches were done, its code after them not
         self.told = False  # a ResumeWarning about this resume was given
         self.epochs_loop = False  # ckpt.epochs() drives the loop: its epochs are right
         self.finished: str | None = None  # the limit that had ended the resumed run
@@ -74,6 +77,7 @@ class Checkpointer(Protocol):
     last_saved_update: int | None
     _saved_windows: int | None
     _used: bool
+    _epoch_code: EpochCode
 
     @property
     def directory(self) -> Path: ...
@@ -123,6 +127,7 @@ def watch(ckpt: Checkpointer) -> None:
     standing, loader = ckpt._standing, ckpt.loader
     standing.windows = ckpt._windows_closed()
     standing.epoch = loader.epoch if loader is not None else 0
+    standing.code_left = loader is not None and tail_left(loader)
     stop = _stop_of(standing)
     if standing.finished is not None and stop is not None:
         # The limit that ended the run still holds: the until stays stopped, so a loop that
@@ -142,9 +147,11 @@ class _Place:
         self.epoch: int | None = None
         self.done = 0  # batches of that epoch done
         self.passes = 0  # epochs whose batches are all done (their code after them or not)
+        self.open = False  # saved on that epoch's last window, before its code after it
         if isinstance(loader, Mapping):
             position, batches = int(loader["position"]), int(loader["batches"])
-            if position >= batches and not loader.get("epoch_open"):
+            self.open = position >= batches and bool(loader.get("epoch_open"))
+            if position >= batches and not self.open:
                 self.epoch = self.passes = int(loader["next_epoch"])
             else:
                 self.epoch, self.done = int(loader["epoch"]), position
@@ -154,6 +161,7 @@ class _Place:
         self.until_epoch = until.get("epoch")
         stop = until.get("early_stop")
         self.early_stopped = isinstance(stop, Mapping) and bool(stop.get("stopped"))
+        self.by_epochs = bool(until.get("by_epochs", False))  # until's epochs() counts them
 
 
 def _describe(ckpt: Checkpointer, place: _Place, path: Path) -> str:
@@ -173,8 +181,9 @@ def _describe(ckpt: Checkpointer, place: _Place, path: Path) -> str:
 
 def _finished(ckpt: Checkpointer, place: _Place) -> tuple[str, str] | None:
     """The limit that left the resumed run nothing to train (until's limits, early_stop) and
-    why, or None. Epochs count once their batches are all done: a run that until stopped on
-    its last window, saved before the epoch's code after it, is finished."""
+    why, or None. Epochs count once their batches are all done (a run that until stopped on
+    its last window, saved before the epoch's code after it, is finished), but where until's
+    epochs() counts them, once that code has run (the run was killed or stopped in it)."""
     clock, stop = ckpt.clock, _stop_of(ckpt._standing)
     if stop is not None:
         max_updates, max_epochs = stop.max_updates, stop.max_epochs
@@ -183,6 +192,8 @@ def _finished(ckpt: Checkpointer, place: _Place) -> tuple[str, str] | None:
     if clock is not None and max_updates is not None and place.updates >= max_updates:
         return "max_updates", f"until(max_updates={max_updates}) reached at update {place.updates}"
     done = place.until_epoch if place.epoch is None else place.passes
+    if place.open and place.by_epochs:
+        done = place.epoch  # epochs() counts the open epoch done once its code has run
     if max_epochs is not None and isinstance(done, int) and done >= max_epochs:
         return "max_epochs", f"until(max_epochs={max_epochs}) reached: {done} epoch(s) done"
     if place.early_stopped:
@@ -198,9 +209,11 @@ def _tell(ckpt: Checkpointer, message: str, frame: FrameType | None = None) -> N
 
 def idle_save(ckpt: Checkpointer) -> None:
     """A save (or ``save_if_needed``) of a relaunched run that trained nothing since: say so."""
-    standing = ckpt._standing
+    standing, loader = ckpt._standing, ckpt.loader
     if not standing.relaunch or standing.told or ckpt.clock is None:
         return
+    if standing.code_left and loader is not None and loader.epoch > standing.epoch:
+        return  # the resumed epoch's code after its pass has run since: this save holds it
     if ckpt._windows_closed() == standing.windows:
         _tell(
             ckpt,
@@ -247,6 +260,7 @@ def _epochs(ckpt: Checkpointer, loader: EpochLoader, total: int) -> Iterator[int
         # is left, but for an epoch saved before its code after the last window: that runs.
         yield epoch
         ran = True
+        ckpt._epoch_code.body_done()  # the body went on to its end: its code after the pass ran
         if loader.epoch == epoch:
             raise RuntimeError(
                 f"epoch {epoch} of `for epoch in ckpt.epochs({total}):` ran no pass of the "

@@ -18,23 +18,26 @@ from .._types import Clock
 class PassEnd:
     """What until knows of the current pass: the loader's count, or the clock's ``iterate``."""
 
-    __slots__ = ("ahead", "clock", "loader")
+    __slots__ = ("ahead", "clock", "last", "loader")
 
     def __init__(self, clock: Clock | None, loader: EpochLoader | None) -> None:
         self.clock = clock
         self.loader = loader
         self.ahead = False
         """The clock's ``iterate`` held a batch back earlier in this pass."""
+        self.last = False
+        """The last check was on the pass's last batch (``ends_by_iterate``)."""
 
     def watch(self) -> None:
         """At every check: a batch held back means the loop runs on ``iterate``, not at its end."""
         clock = self.clock
         if clock is not None and clock.lookahead:
             self.ahead = True
+        self.last = self.ends_by_iterate()
 
     def new_pass(self) -> None:
         """A new epoch begins: nothing is known of its pass yet."""
-        self.ahead = False
+        self.ahead = self.last = False
 
     def ends_by_iterate(self) -> bool:
         """The loop runs on the clock's ``iterate``, which has just handed out its last batch."""

@@ -33,6 +33,11 @@ class UntilState:
         self.early_stop = early_stop
         self.pool_next = True
         """The next boundary pools signals and clocks (the first one, and after a resume)."""
+        self.by_epochs = False
+        """``epochs()`` counts the epochs (``max_epochs`` is reached when it goes on, after
+        the last epoch's code), not ``check()`` (on the last pass's last window)."""
+        self.epoch_done: Callable[[], bool] = lambda: False
+        """Whether ``epoch``'s body is past its pass's loop: a checkpoint counts it done."""
 
     @property
     def elapsed(self) -> float:
@@ -43,9 +48,10 @@ class UntilState:
         """Elapsed training time, self-counted epochs and updates, early_stop's counters."""
         return {
             "elapsed": self.elapsed,
-            "epoch": self.epoch,
+            "epoch": self.epoch + self.epoch_done(),
             "calls": self.boundaries.calls,
             "early_stop": None if self.early_stop is None else self.early_stop.state_dict(),
+            "by_epochs": self.by_epochs,
         }
 
     def check_state_dict(self, saved: object) -> None:
@@ -56,6 +62,8 @@ class UntilState:
         for key in ("epoch", "calls"):
             if need(state, key, int, f"'until.{key}'") < 0:
                 raise CheckpointError(f"damaged checkpoint: 'until.{key}' is negative")
+        if not isinstance(state.get("by_epochs", False), bool):
+            raise CheckpointError("damaged checkpoint: 'until.by_epochs' is not a bool")
         es = state.get("early_stop")
         if (es is None) != (self.early_stop is None):
             raise CheckpointError(

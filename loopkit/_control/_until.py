@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from .. import _ranks
+from .._checkpoint._deferred import iterating
 from .._checkpoint._save_resume import Checkpointer
 from .._checkpoint._standing import tail_left
 from .._checks import is_int_at_least
@@ -47,11 +48,11 @@ class until:
 
     ``checkpointer=ckpt`` (which must save the same step, or none for none): the stop
     writes one checkpoint at its boundary, and the stop's own state (elapsed time,
-    ``early_stop``'s counters, the epochs it counts) is saved with every checkpoint. On an
-    epoch's last window the save waits for the end of the epoch's code (like
-    ``maybe_save``) where ``epochs()`` or ``with loopkit.until(...) as stop:`` ends the loop
-    (they also put the signal handlers back); in a loop without either it is written at
-    once, marked so that a resume runs the epoch's code. Build it before ``ckpt.resume()``.
+    ``early_stop``'s counters, the epochs it counts) is saved with every checkpoint. On a
+    pass's last window it says the epoch's code after it is still to run (a resume runs it);
+    ``epochs()`` writes the state after that code where the loop runs it (without
+    ``loader=``, only then). ``epochs()`` and ``with loopkit.until(...) as stop:`` put the
+    signal handlers back. Build it before ``ckpt.resume()``.
 
     ``max_epochs`` is counted by ``epochs()``; in a loop without it, ``check()`` counts the
     passes of the Checkpointer's ``loader=`` and stops on the window that ends the last
@@ -88,11 +89,11 @@ class until:
         self.checkpointer = checkpointer
         self._boundaries, self._state = boundaries, state
         self._pass = PassEnd(clock, None if checkpointer is None else checkpointer.loader)
+        state.epoch_done = lambda: _epoch_done(self)
         # Without a loader, a stop's save can wait for the epoch's code only where the step's
         # iterate shows the pass's end: watched at every check (one attribute read).
         self._watch = checkpointer is not None and checkpointer.loader is None and clock is not None
         self._epochs_used = False  # epochs() counts the epochs (check() leaves max_epochs to it)
-        self._entered = False  # used as `with until(...)`: its exit writes a deferred save
         self._in_epoch = False  # epochs() has yielded and its epoch's code is running
         self._waits_for_epoch = False  # the stop's save waits for the epoch's code (no loader)
         self.reason: str | None = None
@@ -172,20 +173,18 @@ class until:
         ckpt = self.checkpointer
         if ckpt is None:
             return
-        # In the loop: a save that falls on an epoch's last window waits for the epoch's
-        # own code (as maybe_save's); after the loop: whatever is not saved yet.
+        # After the loop: whatever is not saved yet. In the loop, at once (a loop may break
+        # on stop.reason past the epoch's code, or run it: the file says it is to run).
         if final:
             ckpt.save_if_needed()
         elif ckpt.loader is None and self._in_epoch and self._pass.ends_by_iterate():
-            # No loader to defer to, but epochs() knows where the epoch's code ends: it
+            # No loader's place to say so, but epochs() knows where the epoch's code ends: it
             # writes the save there, with the next epoch's number (the same on every rank).
             self._waits_for_epoch = True
         else:
-            # Deferred to the next pass only where `with until` or epochs() ends the loop;
-            # else written now, marked as before the epoch's own code (which a resume runs).
-            ckpt.save_at_boundary(defer=self._entered or self._epochs_used)
-        # Written now unless deferred to the epoch's end (the same on every rank).
-        self._stop_saved = not (ckpt.save_pending or self._waits_for_epoch)
+            ckpt.save_at_boundary(defer=False)
+        # Written now unless it waits for the epoch's end (the same on every rank).
+        self._stop_saved = not self._waits_for_epoch
 
     # -- the epoch loop ---------------------------------------------------------------------
 
@@ -199,7 +198,7 @@ class until:
         return self._epochs(loader)
 
     def _epochs(self, loader: EpochLoader | None) -> Iterator[int]:
-        self._epochs_used = True
+        self._epochs_used = self._state.by_epochs = True
         epoch = 0
         try:
             while True:
@@ -216,43 +215,45 @@ class until:
                         self._state.pool_next = False
                         if (reason := _agreed_reason(self)) is not None:
                             self._stop(reason, final=True)
-                # A resumed stop runs the epoch saved before its code after the last window.
-                if self.reason is not None and not (self._restored and _tail_left(loader)):
+                # A resumed stop runs the epoch saved before its code after the last window
+                # (the Checkpointer's loader's, also where until counts the epochs itself).
+                tail = self._restored and _tail_left(self._pass.loader)
+                if self.reason is not None and not tail:
                     self.close()
                     return
                 self._pass.new_pass()
                 self._in_epoch = True
                 yield epoch
                 self._in_epoch = self._restored = False
+                if self.checkpointer is not None:  # the epoch's code after its pass has run
+                    self.checkpointer._epoch_code.body_done()
                 if loader is None:
                     self._state.epoch = epoch + 1
         except GeneratorExit:
             # The epoch loop was left early: by a break or by an exception in its body,
             # which cannot be told apart here, so nothing is saved (a failed epoch's state
-            # must not be); the handlers go back. Let epochs() end, or use `with until(...)`.
+            # must not be); the handlers go back.
             self._in_epoch = False
-            if loader is None and self.reason is not None and not self._stop_saved:
-                # The stop ended the epoch's pass (its save waits for the epoch's end): a
-                # save that `with until(...)` still writes resumes at the next epoch.
-                self._state.epoch = epoch + 1
+            if self.reason is not None and not self._stop_saved:
+                # Its save waited for an epoch's end that did not come: none is written.
+                self._waits_for_epoch, self._stop_saved = False, True
             self._flag.restore()
             raise
 
     def close(self) -> None:
-        """Write a stop's checkpoint if it is not written yet; put the signal handlers back."""
+        """Write a stop's checkpoint if it is not written yet, or the state after the epoch's
+        code that the newest checkpoint left to run; put the signal handlers back."""
         try:
             ckpt = self.checkpointer
             if self.reason is not None and ckpt is not None and not self._stop_saved:
-                if self._waits_for_epoch:  # the epoch's code has run since the stop
-                    ckpt.save()
-                elif ckpt.save_pending:  # else the loader's next pass already wrote it
-                    ckpt.save_if_needed()
+                ckpt.save()  # the stop's, which waited for the epoch's code (no loader=)
                 self._stop_saved = True
+            elif self.reason is not None and ckpt is not None and ckpt._epoch_code.moved:
+                ckpt.save()  # that code ran since the stop's (or the resumed) checkpoint
         finally:
             self._flag.restore()
 
     def __enter__(self) -> until:
-        self._entered = True
         return self
 
     def __exit__(
@@ -282,6 +283,18 @@ class until:
         said = ", ".join(f"{k}={v}" for k, v in limits if v is not None)
         sigs = tuple(s.name for s in self.signals)
         return f"loopkit.until({said}, signals={sigs}, reason={self.reason!r})"
+
+
+def _epoch_done(stop: until) -> bool:
+    """In an epoch's body that ``epochs()`` counts itself: whether the loop over its pass is
+    left (its batches done), so that the epoch's code runs: a checkpoint written now resumes
+    at the next epoch, as the loader's place in it says (the same on every rank)."""
+    ckpt = stop.checkpointer
+    if not stop._in_epoch or ckpt is None:
+        return False
+    if ckpt.loader is not None:  # as the loader's state in the same save says
+        return ckpt._epoch_code.saving_done
+    return stop._pass.last and not iterating(ckpt.clock)
 
 
 def _agreed_reason(stop: until) -> str | None:

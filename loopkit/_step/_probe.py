@@ -2,8 +2,9 @@
 
 Each trial runs the worst case (the given batch cut to the size tried: forward, backward and
 an optimizer step, so the optimizer's state counts) without gradient sync, and is taken
-back (weights, optimizer state, RNGs, gradients). Only an out-of-memory error, as
-``accelerate.utils.memory`` recognizes it on every backend, means "too big".
+back (``_take_back``: weights, optimizer state, RNGs, gradients, DDP's and FSDP2's state).
+Only an out-of-memory error, as ``accelerate.utils.memory`` recognizes it on every backend,
+means "too big".
 
 Two searches: ``"halving"`` (any device: the whole batch, then half, ... until one fits)
 and ``"two_peaks"`` (CUDA only: the peak memory of two sizes that fit, extrapolated to the
@@ -12,14 +13,11 @@ device's capacity, then confirmed by a trial; fewer out-of-memory errors on a la
 
 from __future__ import annotations
 
-import copy
 import importlib
 import math
-import random
 from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +27,7 @@ from .._devices import model_device
 from .._parallel._grad_sync import no_sync
 from . import _misuse
 from ._batch_layout import read, take
+from ._take_back import Saved
 
 Search = Literal["halving", "two_peaks"]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -49,7 +48,8 @@ def probe_micro_batch(
     out-of-memory error; agreed across ranks (the minimum).
 
     ``loss_fn(model, batch)`` returns the batch's mean loss. Every trial is taken back: the
-    weights, the optimizer's state, the RNGs, and the gradients (cleared). Only an
+    weights, the optimizer's state, the RNGs, the gradients (as they were) and what DDP and
+    FSDP2 keep between backwards (a sharded model's unreduced gradients). Only an
     out-of-memory error (as ``accelerate.utils.memory`` recognizes on every backend) means
     "too big"; any other exception propagates unchanged. ``search="two_peaks"`` (CUDA):
     extrapolate from the peak memory of two sizes instead of halving from the batch.
@@ -72,19 +72,22 @@ def probe_micro_batch(
             f"search='two_peaks' measures peak memory with torch.cuda, but the model is on "
             f"{device}: use search='halving' (any device)"
         )
-    saved = _Saved(model, optimizer)
+    saved = Saved(model, optimizer)
 
     def fits(m: int) -> bool:
         """Whether a trial of ``m`` samples runs (taken back either way)."""
+        failed = True
         try:
             _trial(model, optimizer, loss_fn, take(batch, 0, m, layout))
+            failed = False
         except Exception as err:
             if not memory.should_reduce_batch_size(err):
                 raise
+        finally:
+            saved.restore(failed)  # a trial cut short: FSDP2's iteration state reset too
+        if failed:
             memory.clear_device_cache(garbage_collection=True)
             return False
-        finally:
-            saved.restore()
         return True
 
     try:
@@ -176,28 +179,3 @@ def _trial(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, 
         optimizer.step()
     finally:
         _misuse.STEPPING.discard(id(optimizer))
-
-
-class _Saved:
-    """Weights, optimizer state and RNGs as they stood: put back after each trial."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.optim = copy.deepcopy(optimizer.state_dict())
-        # By hand, not the Checkpointer's RNG capture: _step must not import _checkpoint.
-        self.torch_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.py_rng, self.np_rng = random.getstate(), np.random.get_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                v.copy_(self.weights[k])
-        self.optimizer.load_state_dict(copy.deepcopy(self.optim))
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(self.torch_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
-        np.random.set_state(self.np_rng)

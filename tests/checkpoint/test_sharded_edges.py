@@ -1,6 +1,7 @@
 """Sharded (FSDP2) checkpoints at their edges: an optimizer under extra=, keys holding the
-separator '/', a checkpoint directory copied under another name; the 2-rank runs are
-``dist_worker.py``'s ``sharded_edges``.
+separator '/', a checkpoint directory copied under another name, a one-file checkpoint of
+the unsharded model resumed sharded; the 2-rank runs are ``dist_worker.py``'s
+``sharded_edges`` (other numbers of processes: ``test_world_change.py``).
 
 FSDP2 on a one-process group (``process_group``) shards over one rank: its parameters,
 optimizer moments and EMA are DTensors, so the Checkpointer writes and reads them through
@@ -202,3 +203,85 @@ def test_a_two_rank_save_resumes_on_one_process_under_another_name(
     assert len(ended) == len(found[0]["ended"]) == 16
     diff = [(a - b).abs().max().item() for a, b in zip(ended, found[0]["ended"], strict=True)]
     assert max(diff) < 1e-6
+
+
+def _resumed_state(run: Run) -> list[torch.Tensor]:
+    """The weights, the EMA, Adam's moments and steps, whole, and the step's count."""
+    steps = [s["step"] for s in run.opt.state.values()]
+    return [*_state(run), *steps, torch.tensor(run.step.updates)]
+
+
+def test_a_one_file_checkpoint_resumes_into_a_sharded_model(
+    tmp_path: Path, process_group: None
+) -> None:
+    """Written by an unsharded model (one file), resumed by the same model sharded by FSDP2:
+    right after the resume its weights, EMA, Adam's moments and counts are the unsharded
+    resume's, bit for bit, and 2 more updates end alike; another width is refused naming the
+    shapes, nothing loaded."""
+    plain = _build(tmp_path, slash=True, opt_in_extra=True, shard=False)
+    _train(plain, 0, 3)
+    path = plain.ckpt.save()
+    assert path is not None and path.is_file()
+    again = _build(tmp_path, slash=True, opt_in_extra=True, shard=False)
+    sharded = _build(tmp_path, slash=True, opt_in_extra=True)
+    assert again.ckpt.resume() == sharded.ckpt.resume() == path
+    assert isinstance(next(sharded.model.parameters()), torch.distributed.tensor.DTensor)
+    _assert_exact(_resumed_state(again), _resumed_state(sharded))
+    _train(again, 3, 2)
+    _train(sharded, 3, 2)
+    _assert_same(_state(again), _state(sharded))
+
+
+def test_a_sharded_run_maps_a_one_file_checkpoint_and_keeps_nothing_of_the_mapping(
+    tmp_path: Path, process_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resumed by an FSDP2 model, a one-file checkpoint is mapped, not read (a rank reads only
+    its parts' pages); once resumed no tensor of the run is backed by the file (Linux)."""
+    import gc
+
+    from torch.utils.serialization import config
+
+    plain = _build(tmp_path, slash=False, opt_in_extra=False, shard=False)
+    _train(plain, 0, 3)
+    path = plain.ckpt.save()
+    mapped: list[bool] = []
+    load = torch.load
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        mapped.append(config.load.mmap)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spied)
+    _build(tmp_path, slash=False, opt_in_extra=False, shard=False).ckpt.resume()
+    sharded = _build(tmp_path, slash=False, opt_in_extra=False)
+    assert sharded.ckpt.resume() == path
+    assert mapped == [False, True] and not config.load.mmap
+    gc.collect()
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(path) not in maps.read_text()
+
+
+def _assert_exact(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b) == 16 + 4 + 1  # and Adam's 4 steps, the step's count
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_one_file_checkpoint_of_another_model_is_refused_by_a_sharded_one(
+    tmp_path: Path, process_group: None
+) -> None:
+    """A one-file checkpoint of other widths, resumed by an FSDP2 model: CheckpointError
+    naming the shapes, before anything loads."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    small = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    loopkit.Checkpointer(tmp_path, model=small).save()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    for layer in (*model, model):
+        fully_shard(layer)
+    before = [p.full_tensor() for p in model.parameters()]
+    with pytest.raises(loopkit.CheckpointError, match=r"shape mismatch .*\(6, 4\) saved"):
+        loopkit.Checkpointer(tmp_path, model=model).resume()
+    after = [p.full_tensor() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -65,10 +65,45 @@ def test_a_run_saved_by_two_ranks_resumes_on_one_process(
 def test_a_run_saved_by_one_process_resumes_on_two_ranks(
     dist_results: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Grown: a 1-process checkpoint resumed by 2 DDP ranks ends as the uninterrupted run."""
+    """Grown: a 1-process checkpoint resumed by 2 DDP ranks, and by 2 FSDP2 ranks (each
+    cutting its shards out of the one file), ends as the uninterrupted run."""
     stopped = elastic.run(tmp_path, stop=5)  # as the one the ranks resumed: its samples
     for found in dist_results["world_change"]:
         _assert_continues(found["grown"], stopped, found["ddp_whole"])
+        _assert_continues(found["grown_fsdp"], stopped, found["ddp_whole"])
+
+
+def _assert_resumed_alike(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Two resumes of one checkpoint hold the same state, bit for bit."""
+    assert a["from"] == b["from"] and a["from"].startswith("ckpt-0000000004")
+    assert a["counts"] == b["counts"] and a["lr"] == b["lr"]
+    for key in ("weights", "moments", "ema"):
+        assert len(a[key]) == len(b[key]) > 0
+        assert all(torch.equal(x, y) for x, y in zip(a[key], b[key], strict=True)), key
+
+
+def test_a_resume_on_another_shape_holds_what_the_saving_shape_resumes(
+    dist_results: dict[str, Any], dist4_results: dict[str, Any], tmp_path: Path
+) -> None:
+    """Right after the resume, before any update: the weights, AdamW's moments and steps, the
+    EMA, the counts, the scheduler and the loader's place are those of a resume by the shape
+    that saved, bit for bit: one file (1 process) into FSDP2 on 2 ranks and into HSDP 2x2;
+    FSDP2's directory into one plain process; HSDP 2x2's into FSDP2 on 2 ranks; on 2 ranks,
+    DDP's file into FSDP2 and FSDP2's directory into DDP."""
+    elastic.run(tmp_path / "one", stop=5)  # the 1-process checkpoint the ranks resumed
+    one = elastic.resumed(tmp_path / "one")
+    assert one["counts"][0] == 4 and one["moments"]
+    four = dist4_results["hsdp_resumed"][0]
+    _assert_resumed_alike(four["grown"], one)
+    for found in dist_results["world_change"]:
+        _assert_resumed_alike(found["grown_fsdp_resumed"], one)
+        _assert_resumed_alike(found["shrunk_resumed"], four["same"])
+        _assert_resumed_alike(found["ddp_cut_as_fsdp_resumed"], found["ddp_cut_resumed"])
+        _assert_resumed_alike(found["fsdp_cut_as_ddp_resumed"], found["fsdp_cut_resumed"])
+    found = dist_results["world_change"][0]
+    shutil.copytree(Path(found["root"]) / "fsdp_cut", tmp_path / "cut")
+    _assert_resumed_alike(elastic.resumed(tmp_path / "cut", reseed=True),
+                          found["fsdp_cut_resumed"])  # fmt: skip
 
 
 def test_an_hsdp_run_on_four_ranks_resumes_as_fsdp2_on_two(

@@ -98,19 +98,22 @@ IDS = [f"{k}-{'loader' if w else 'no_loader'}" for k, w in CASES]
 def test_a_stop_on_an_epochs_last_batch_saves_after_its_code_and_resumes_exactly(
     tmp_path: Path, kind: str, with_loader: bool
 ) -> None:
-    """SIGTERM on epoch 0's last batch: one checkpoint, holding the epoch's scheduler step
-    and the next epoch; the resumed run trains epochs 1 and 2 and ends bit-identical.
+    """SIGTERM on epoch 0's last batch: the newest checkpoint, once epochs() ends, holds the
+    epoch's scheduler step and the next epoch; the resumed run trains epochs 1 and 2 and
+    ends bit-identical. With a loader, the stop wrote one at once first, saying the epoch's
+    code was still to run (the same file with a step: the same update).
 
     Without a step (a loader's count) and without a loader (the step's iterate) alike.
     """
     whole = _run(tmp_path / "whole", kind, with_loader, None)
     first = _run(tmp_path / "parts", kind, with_loader, (0, BATCHES))
     assert first["reason"] == "SIGTERM" and first["epochs"] == [0]
-    assert len(first["saved"]) == 1
-    saved = loopkit.load_checkpoint(tmp_path / "parts" / first["saved"][0])
+    assert len(first["saved"]) == (2 if kind == "none" and with_loader else 1)
+    saved = loopkit.load_checkpoint(tmp_path / "parts" / first["saved"][-1])
     assert saved["scheduler"]["last_epoch"] == 1  # written after the epoch's code
     if with_loader:
         assert saved["loader"]["next_epoch"] == 1 and saved["loader"]["position"] == BATCHES
+        assert "epoch_open" not in saved["loader"]
     else:
         assert saved["until"]["epoch"] == 1
     second = _run(tmp_path / "parts", kind, with_loader, None)
@@ -164,7 +167,8 @@ def test_max_epochs_without_epochs_stops_where_the_last_pass_ends(
     tmp_path: Path, with_step: bool
 ) -> None:
     """until(max_epochs=2), a loop of its own (no epochs()), the Checkpointer's loader: check()
-    stops on the window that ends epoch 1's pass, and the save holds epoch 1's code."""
+    stops on the window that ends epoch 1's pass, and the save, written there (the loop may
+    run epoch 1's code after the stop or break past it), says that code is still to run."""
     model, opt, (step, sched), (loader, ckpt) = _epoch_limited(tmp_path, with_step)
     answers = []
     with loopkit.until(step, max_epochs=2, signals=(), checkpointer=ckpt) as stop:
@@ -188,7 +192,8 @@ def test_max_epochs_without_epochs_stops_where_the_last_pass_ends(
     assert stop.stopped_at == (4 if with_step else 2 * BATCHES)  # windows of 4, the last of 2
     (path,) = ckpt.checkpoints()
     saved = loopkit.load_checkpoint(path)
-    assert saved["scheduler"]["last_epoch"] == 2 and saved["loader"]["next_epoch"] == 2
+    assert saved["scheduler"]["last_epoch"] == 1 and saved["loader"]["epoch_open"] is True
+    assert (saved["loader"]["epoch"], saved["loader"]["position"]) == (1, BATCHES)
 
 
 def test_max_epochs_that_until_cannot_see_is_refused_at_the_first_check(tmp_path: Path) -> None:

@@ -6,6 +6,11 @@ samples carrying their index, a global batch of 2 to 8, ``drop_last``, ``shuffle
 epochs, saves every 1 to 3 updates (synchronous or in the background), a
 ``detach_logging(sync_ranks=True)`` flushing every 1 to 4 micro-steps, and a stop after a
 drawn update (the run ends there, as a killed job: nothing after its last save survives).
+Drawn as well: a ``probe_micro_batch`` before training in every run (its largest trial
+fitting, or dying of an out-of-memory error in its backward), ``skip_nonfinite=True`` with
+a non-finite loss on rank 0 in a drawn window (skipped on every rank, then saved again at
+the same update), and a ``save()`` right after the ``maybe_save`` of a drawn update (the
+same update saved twice).
 
 Checked on the 2 ranks: the stopped run, resumed by fresh objects, ends bit-identical to
 the uninterrupted run (weights, EMA, optimizer state, lr, every log record after the
@@ -19,6 +24,7 @@ refused, naming ``drop_last=True``, with nothing loaded.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -50,6 +56,36 @@ class Indexed(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return self.x[i], self.y[i], i
 
 
+PROBED = 9
+"""The probe's batch: no training batch has as many samples (a global batch is at most 8)."""
+
+
+class _OOMInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory on the probe's batch."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.samples = len(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.samples == PROBED:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return grad
+
+
+class OOMGate(nn.Module):
+    """Between the layers (no parameters): the probe's largest trial dies in its backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OOMInBackward.apply(x)  # type: ignore[no-any-return]
+
+
+def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     gather = getattr(t, "full_tensor", None)
     return (gather() if gather is not None else t).detach().clone()
@@ -66,13 +102,20 @@ def _everyone(indices: list[int]) -> list[int]:
 def run(spec: Spec, root: Path, stop: int | None = None, reseed: bool = False) -> dict[str, Any]:
     """Train the scenario (resuming from ``root``), ending at update ``stop`` if given."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+    probe = spec.get("probe")
+    gate = [OOMGate()] if probe == "oom" else []
+    net = nn.Sequential(nn.Linear(6, 12), *gate, nn.Tanh(), nn.Linear(12, 2))
     model = distributed.wrap(net, fsdp=nn.Linear if spec["sharded"] else False)
     params = list(model.parameters())
     opt: torch.optim.Optimizer = (
         torch.optim.AdamW(params, lr=1e-2) if spec["optimizer"] == "adamw"
         else torch.optim.SGD(params, lr=0.05, momentum=0.9)
     )  # fmt: skip
+    if probe is not None:  # taken back: as if it had never run
+        g = torch.Generator().manual_seed(7)
+        big = (torch.randn(PROBED, 6, generator=g) * 5, torch.randn(PROBED, 2, generator=g))
+        fits = loopkit.probe_micro_batch(model, opt, _mse, big)
+        assert fits == (4 if probe == "oom" else PROBED), fits
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.7) if spec["scheduler"] else None
     average = loopkit.ema(model, decay=0.8) if spec["ema"] else None
     records: list[dict[str, float]] = []
@@ -84,23 +127,33 @@ def run(spec: Spec, root: Path, stop: int | None = None, reseed: bool = False) -
     loader = distributed.loader(Indexed(spec["n"]), global_batch_size=spec["global_batch"],
                                 drop_last=spec["drop_last"], shuffle=spec["shuffle"], seed=2,
                                 num_workers=0)  # fmt: skip
+    nonfinite, resave = spec.get("nonfinite"), spec.get("resave")
     step = loopkit.step(model, opt, accumulate=spec["accumulate"], scheduler=sched,
-                        ema=average, clip_grad_norm=spec["clip"], log=log)  # fmt: skip
+                        ema=average, clip_grad_norm=spec["clip"], log=log,
+                        skip_nonfinite=nonfinite is not None)  # fmt: skip
     ckpt = loopkit.Checkpointer(root, model=model, step=step, loader=loader,
                                 async_save=spec["async_save"])  # fmt: skip
     resumed = ckpt.resume(reseed=reseed)
+    windows_at_resume = step.updates + step.skipped
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     seen: list[list[int]] = []
     window: list[int] = []
-    done = False
+    done = resaved = False
     for _ in range(loader.epoch, EPOCHS):
         for x, y, index in step.iterate(loader):
             with step as s:
-                s.backward(nn.functional.mse_loss(model(x), y))
+                loss = nn.functional.mse_loss(model(x), y)
+                if rank0 and step.updates + step.skipped == nonfinite:
+                    loss = loss * float("nan")  # this window is skipped on every rank
+                s.backward(loss)
             window += index.tolist()
             if step.micro_step == 0:
                 seen.append(_everyone(window))
                 window = []
             ckpt.maybe_save(every=spec["save_every"])
+            if step.micro_step == 0 and step.updates == resave and not resaved:
+                ckpt.save()  # the update maybe_save saved (or deferred), saved again
+                resaved = True
             done = stop is not None and step.updates == stop and step.micro_step == 0
             if done:
                 break
@@ -121,11 +174,13 @@ def run(spec: Spec, root: Path, stop: int | None = None, reseed: bool = False) -
         "seen": seen,
         "records": records,
         "resumed_from": None if resumed is None else resumed.name,
+        "windows_at_resume": windows_at_resume,
+        "skipped": step.skipped,
     }  # fmt: skip
 
 
-def updates_of(spec: Spec) -> int:
-    """The updates of the uninterrupted run (windows close at each pass's end)."""
+def windows_of(spec: Spec) -> int:
+    """The windows of the uninterrupted run (windows close at each pass's end)."""
     n, g = spec["n"], spec["global_batch"]
     batches = n // g if spec["drop_last"] else -(-n // g)
     return EPOCHS * -(-batches // spec["accumulate"])
@@ -147,10 +202,15 @@ def scenarios(draw: Callable[..., Any]) -> Spec:
         "save_every": draw(st.integers(1, 3)),
         "async_save": draw(st.booleans()),
         "log_every": draw(st.integers(1, 4)),
+        "probe": draw(st.sampled_from([None, "fits", "oom"])),
     }
-    total = updates_of(spec)
+    windows = windows_of(spec)
+    spec["nonfinite"] = draw(st.one_of(st.none(), st.integers(0, windows - 1)))
+    total = windows - (spec["nonfinite"] is not None)  # the updates
     # Mostly after the first save (a resume to do), sometimes before it (a fresh start).
     spec["stop"] = draw(st.integers(min(spec["save_every"], max(1, total - 1)), max(1, total - 1)))
+    spec["resave"] = draw(st.sampled_from([None, *range(spec["save_every"], total + 1,
+                                                          spec["save_every"])]))  # fmt: skip
     return spec
 
 
@@ -158,6 +218,13 @@ EXPLICIT = [  # a pass padded otherwise by 2 ranks (14) than by 1 process (13): 
     {"sharded": True, "accumulate": 2, "optimizer": "adamw", "scheduler": True, "ema": True,
      "clip": 1.0, "n": 13, "global_batch": 4, "drop_last": False, "shuffle": True,
      "save_every": 1, "async_save": True, "log_every": 3, "stop": 3},
+    # FSDP2: the probe's largest trial dies in its backward; update 2 saved twice, the run
+    # stopped there and resumed from that save; its next window (the pass's last) skipped,
+    # then update 2 saved again when the next pass starts.
+    {"sharded": True, "accumulate": 2, "optimizer": "adamw", "scheduler": True, "ema": True,
+     "clip": 1.0, "n": 24, "global_batch": 4, "drop_last": True, "shuffle": True,
+     "save_every": 1, "async_save": False, "log_every": 2, "stop": 2, "probe": "oom",
+     "nonfinite": 2, "resave": 2},
 ]  # fmt: skip
 
 
@@ -179,18 +246,32 @@ def check_on_ranks(spec: Spec, info: Any) -> dict[str, Any]:
     for key in ("weights", "ema", "optimizer"):
         if not all(torch.equal(a, b) for a, b in zip(whole[key], resumed[key], strict=True)):
             problems.append(f"{key} differ after a resume on 2 ranks")
-    if whole["lr"] != resumed["lr"] or whole["updates"] != resumed["updates"]:
-        problems.append(f"lr/updates {resumed['lr']}/{resumed['updates']} != whole's")
+    counts = ("lr", "updates", "skipped")
+    if any(whole[k] != resumed[k] for k in counts):
+        problems.append(f"lr/updates/skipped {[resumed[k] for k in counts]} != whole's")
+    if whole["skipped"] != (spec.get("nonfinite") is not None):
+        problems.append(f"{whole['skipped']} windows skipped")
     saved_at = _saved_update(resumed["resumed_from"])
-    if resumed["seen"] != whole["seen"][saved_at:]:
+    windows = resumed["windows_at_resume"]  # the seen of skipped windows too
+    if resumed["seen"] != whole["seen"][windows:]:
         problems.append("the resumed run took other samples")
-    if info.rank == 0 and (
-        resumed["records"] != _records_after(whole["records"], resumed["records"], saved_at)
-    ):
+    expected = _records_after(whole["records"], resumed["records"], saved_at)
+    if info.rank == 0 and not _same_records(resumed["records"], expected, 0.0):
         problems.append(f"log records {resumed['records']} != {whole['records']}")
     assert not problems, "; ".join(problems)
     return {"spec": spec, "dir": str(base / "for_one"), "whole": whole, "cut": cut,
-            "saved_at": saved_at}  # fmt: skip
+            "saved_at": saved_at, "saved_windows": windows}  # fmt: skip
+
+
+def _same_records(a: list[dict[str, float]], b: list[dict[str, float]], rel: float) -> bool:
+    """The same steps, and losses within ``rel`` (a non-finite window's: NaN in both)."""
+    if [r["step"] for r in a] != [r["step"] for r in b]:
+        return False
+    return all(
+        (math.isnan(x["loss"]) and math.isnan(y["loss"]))
+        or abs(x["loss"] - y["loss"]) <= rel * max(1.0, abs(y["loss"]))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _saved_update(name: str | None) -> int:
@@ -216,7 +297,7 @@ def check_one_process(record: dict[str, Any]) -> None:
     work = Path(tempfile.mkdtemp(prefix="inv-one-"))
     shutil.copytree(record["dir"], work / "cut")
     pads_alike = spec["drop_last"] or spec["n"] % 2 == 0
-    at = record["saved_at"]
+    at, windows = record["saved_at"], record["saved_windows"]
     if not pads_alike and at == 0:
         return  # nothing saved: a fresh run on 1 process, whose passes are padded otherwise
     if not pads_alike:
@@ -228,18 +309,17 @@ def check_one_process(record: dict[str, Any]) -> None:
         raise AssertionError(f"{spec}: a pass padded otherwise was resumed")
     one = run(spec, work / "cut", reseed=True)
     assert (one["resumed_from"] is None) == (at == 0), spec
-    assert one["seen"] == whole["seen"][at:], f"{spec}: other samples after the resume"
-    flat = [i for u in (*record["cut"]["seen"][:at], *one["seen"]) for i in u]
+    assert one["windows_at_resume"] == windows, spec
+    assert one["seen"] == whole["seen"][windows:], f"{spec}: other samples after the resume"
+    flat = [i for u in (*record["cut"]["seen"][:windows], *one["seen"]) for i in u]
     n_used = sum(len(u) for u in whole["seen"])
     assert sorted(flat) == sorted(i for u in whole["seen"] for i in u) and len(flat) == n_used
-    assert one["updates"] == whole["updates"] and one["lr"] == whole["lr"], spec
+    assert all(one[k] == whole[k] for k in ("updates", "lr", "skipped")), spec
     for key in ("weights", "ema"):
         for a, b in zip(one[key], whole[key], strict=True):
             assert (a - b).abs().max().item() <= 1e-5, f"{spec}: {key} differ by {a - b}"
     expected = _records_after(whole["records"], one["records"], at)
-    assert [r["step"] for r in one["records"]] == [r["step"] for r in expected], spec
-    for a, b in zip(one["records"], expected, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(b["loss"])), (spec, a, b)
+    assert _same_records(one["records"], expected, 1e-5), (spec, one["records"], expected)
 
 
 if __name__ == "__main__":  # replay one example's 1-process side: a saved record's path

@@ -1,9 +1,13 @@
 """probe_micro_batch's two-peak search: the extrapolation (pure), the search against a
-simulated memory (a CPU has no peak counter to read), and on a real GPU when there is one."""
+simulated memory (a CPU has no peak counter to read), and on a real GPU when there is one;
+every trial taken back, gradients and what DDP and FSDP2 keep between backwards included
+(on 2 ranks: ``dist_worker.py``'s ``probe_taken_back``)."""
 
 from __future__ import annotations
 
 import copy
+import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -125,3 +129,88 @@ def test_two_peaks_on_a_gpu_fits_what_it_returns() -> None:
         opt.step()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _mse(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(m(b[0]), b[1])
+
+
+def test_gradients_stand_as_before_the_probe() -> None:
+    """A gradient accumulated by hand before the probe is the same tensor with the same values
+    after it; a parameter outside the optimizer gets no gradient from the trials."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OOMAbove(40), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)  # model[3] is trained elsewhere
+    model[1].weight.grad = held = torch.ones(4, 8)
+    batch = (torch.randn(128, 8), torch.randn(128, 1))
+    assert loopkit.probe_micro_batch(model, opt, _mse, batch) == 32
+    assert model[1].weight.grad is held and torch.equal(held, torch.ones(4, 8))
+    assert model[1].bias.grad is None
+    assert model[3].weight.grad is None and model[3].bias.grad is None
+
+
+class _OOMInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory above 4 samples."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.samples = len(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.samples > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return grad
+
+
+def _probed_run(probe: bool, oom: str | None, shard: bool = True) -> list[torch.Tensor]:
+    """FSDP2 over each Linear (or no wrapping), AdamW, a probe or none, then 2 updates of
+    accumulate=2: the weights and AdamW's state. ``oom``: the probe's 8-sample trial dies in
+    its "forward" or its "backward" (between the two Linears)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    gate = OOMAbove(4 if oom == "forward" else 8)
+    model = nn.Sequential(nn.Linear(8, 16), gate, nn.Tanh(), nn.Linear(16, 2))
+    if oom == "backward":
+        gate.forward = _OOMInBackward.apply  # type: ignore[method-assign]
+    for layer in (model[0], model[3], model) if shard else ():
+        fully_shard(layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    if probe:
+        big = (torch.randn(8, 8) * 10, torch.randn(8, 2) * 10)
+        assert loopkit.probe_micro_batch(model, opt, _mse, big) == (8 if oom is None else 4)
+    g = torch.Generator().manual_seed(1)
+    step = loopkit.step(model, opt, accumulate=2)
+    for _ in range(4):
+        with step as s:
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+            s.backward(_mse(model, (x, y)))
+    moments = [v for state in opt.state.values() for v in state.values()]
+    return [t.full_tensor() if hasattr(t, "full_tensor") else t
+            for t in (*model.parameters(), *moments)]  # fmt: skip
+
+
+def test_the_updates_after_a_probe_are_those_without_it(process_group: None) -> None:
+    """FSDP2 (one rank) and one unwrapped process: the trials' gradients (FSDP2 keeps them
+    unreduced inside, from their backward without sync) are not added to the first update;
+    a trial cut short by an out-of-memory error in its forward or its backward leaves no
+    half-done iteration: the run ends as without the probe, bit for bit."""
+    for shard, oom in itertools.product((True, False), (None, "forward", "backward")):
+        probed, plain = _probed_run(True, oom, shard), _probed_run(False, oom, shard)
+        assert len(probed) == len(plain) == 16  # 4 parameters, 3 AdamW entries each
+        assert all(torch.equal(a, b) for a, b in zip(probed, plain, strict=True))
+
+
+def test_a_probe_leaves_ddp_fsdp2_and_hsdp_as_if_it_never_ran(
+    dist_results: dict[str, Any],
+) -> None:
+    """2 ranks, FSDP2, HSDP, DDP (find_unused_parameters, BatchNorm) and FSDP2 whose largest
+    trial dies in its backward: right after the probe the weights, gradients and RNG are as
+    before; after 2 updates the weights, statistics, gradients and AdamW's state are those
+    of the run without the probe, bit for bit."""
+    for rank in dist_results["probe_taken_back"]:
+        for kind, fits in (("fsdp", 8), ("hsdp", 8), ("ddp", 8), ("fsdp_oom", 4)):
+            assert rank[f"{kind}_fits"] == fits
+            assert rank[f"{kind}_right_after"] and rank[kind], kind
