@@ -11,12 +11,14 @@ The heuristics prefer silence to noise: a rule fires only on a pattern it can se
 the files checked together (calls are followed into the functions and methods they define).
 ``# loopkit: ignore`` (or ``# loopkit: ignore[LK002,LK007]``) on a line silences it. Nothing
 here imports torch, so a CI job can lint without installing it. ``--fix`` (and
-``fix_source``) rewrites the findings whose fix is mechanical and keeps the results.
+``fix_source``) rewrites the findings whose fix keeps every result bit for bit, and shows
+the others as suggestions, each with why it could change a result.
 
 Layout: ``_syntax`` (pure questions about one node), ``_script`` (the script model: loops,
 scopes, grad-off regions, training steps), ``_rule`` (the ``@rule`` declaration),
 ``_rules/<theme>.py`` (the rules), ``_registry`` (collects them), ``_findings``,
-``_calls`` (calls followed out of the loop), ``_check``, ``_fix`` and ``_cli``.
+``_calls`` (calls followed out of the loop), ``_check``, ``_fix`` (with ``_rewrites``, what
+each fix writes, and ``_text``, source positions) and ``_cli``.
 """
 
 from __future__ import annotations

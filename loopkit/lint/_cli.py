@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ._check import check_paths, iter_python_files
+from ._check import check_paths, iter_python_files, parse
+from ._findings import Finding
 from ._fix import fix_source, fixable_codes
 from ._registry import REGISTRY
 
@@ -32,8 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--fix",
         action="store_true",
-        help=f"rewrite the findings whose fix is mechanical ({', '.join(fixable_codes())}): "
-        "prints a unified diff; writes the files only with --write",
+        help=f"rewrite the findings of {', '.join(fixable_codes())} whose fix keeps every "
+        "result: prints a unified diff (writes the files only with --write), and the "
+        "rewrites that could change a result as suggestions, with why",
     )
     parser.add_argument("--write", action="store_true", help="with --fix: write the fixes")
     args = parser.parse_args(argv)
@@ -72,19 +74,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fix(paths: list[str], select: list[str] | None, *, write: bool) -> int:
-    """Print each file's fixes as a unified diff (or write them): 1 if a diff was printed and
-    not written (like a check that fails until the fixes are applied), else 0."""
-    changed = 0
+    """Print each file's fixes as a unified diff (or write them), and on stderr the rewrites
+    not applied because they could change a result, each with why: 1 if a diff was printed
+    and not written (like a check that fails until the fixes are applied) or a file could
+    not be fixed, else 0."""
+    changed = failed = suggested = 0
     for file in iter_python_files(paths):
         name = str(file)
         try:
             with open(file, "rb") as handle:
                 encoding, _ = tokenize.detect_encoding(handle.readline)
             source = file.read_text(encoding=encoding)
-            fixed = fix_source(source, select, path=name)
+            parse(source, name)
         except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             print(f"{name}: skipped, cannot parse: {exc}", file=sys.stderr)
             continue
+        suggestions: list[Finding] = []
+        try:
+            fixed = fix_source(source, select, path=name, suggestions=suggestions)
+        except RuntimeError as exc:  # the fixer's own check of what it wrote
+            print(f"{name}: not fixed: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        for s in suggestions:
+            print(
+                f"{s.path}:{s.line}:{s.col}: {s.code} {s.message}. Suggested: {s.fix}",
+                file=sys.stderr,
+            )
+        suggested += len(suggestions)
         if fixed == source:
             continue
         changed += 1
@@ -98,9 +115,14 @@ def _fix(paths: list[str], select: list[str] | None, *, write: bool) -> int:
                 tofile="b/" + name.lstrip("/"),
             )
             sys.stdout.writelines(diff)
-    if write:
-        print(f"Fixed {changed} file(s)." if changed else "Nothing to fix.")
-        return 0
-    if not changed:
+    if write and changed:
+        print(f"Fixed {changed} file(s).")
+    elif not changed and not suggested and not failed:
         print("Nothing to fix.")
-    return 1 if changed else 0
+    if suggested:  # on stderr, with the suggestions: stdout stays a diff that applies
+        print(
+            f"{suggested} rewrite(s) not applied, as they could change what some programs "
+            "compute: apply them by hand where the reason given does not hold.",
+            file=sys.stderr,
+        )
+    return 1 if failed or (changed and not write) else 0

@@ -1,158 +1,150 @@
-"""``--fix``: rewrite the findings whose fix is mechanical and keeps the script's results.
+"""``--fix``: rewrite the findings whose fix keeps what every program computes, bit for bit;
+show the others as suggestions, with the reason they are not applied.
 
-Two rewrites, each applied only at a finding (so only where the rule saw the cost) that no
-``# loopkit: ignore`` silences:
+Applied (``_rewrites.host_factory``), at an LK004 finding no ``# loopkit: ignore`` silences:
+``torch.ones(...).to(device)`` -> ``torch.ones(..., device=device)`` (``.cuda()``:
+``device="cuda"``), for the factories whose values do not depend on where they are computed
+(``zeros``, ``ones``, ``full``, ``eye``, ``tensor``: Python values are converted on the
+host either way; ``empty``: undefined either way; ``arange`` on integer literals and an
+integer or inferred dtype: whole numbers, exact on any device), when the ``.to`` names a
+device by what it is and converts nothing else. Suggested only, with the reason:
 
-- LK004: ``torch.ones(...).to(device)`` -> ``torch.ones(..., device=device)`` (and
-  ``.cuda()`` -> ``device="cuda"``), for the deterministic factories only (``zeros``,
-  ``ones``, ``full``, ``empty``, ``arange``, ``eye``, ``linspace``, ``tensor``): a random one
-  built on the device draws from the device's generator, so its values would change. Only
-  when the factory has no ``device=`` yet, and the ``.to`` has one positional argument that
-  names a device (no dtype, no keywords: ``.to(x)`` of a tensor converts the dtype too).
-- LK010: ``zero_grad(set_to_none=False)`` -> ``zero_grad(set_to_none=True)`` (LK010 already
-  leaves alone the scripts that add into ``.grad`` by hand, which need the zeros).
+- LK004 of a random factory (the device's generator draws other numbers), ``linspace`` or
+  a fractional ``arange`` (the device rounds differently), a ``.to()`` whose argument is not
+  known to be a device (of a dtype or a tensor it converts the dtype too) or that also
+  converts the dtype (rounded twice, not once), ``requires_grad=True`` (a leaf on the
+  device, not a moved non-leaf) or ``pin_memory=True`` (raises on the device);
+- LK010's ``zero_grad(set_to_none=True)``: a parameter that gets no gradient on a step
+  keeps None, which optimizers skip where weight decay or momentum move a zero gradient.
+
+Every pass checks that the text it wrote parses to exactly the intended tree (the original
+with each rewritten node replaced): any other outcome is a bug of the fixer, raised as one.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from collections.abc import Callable, Iterable
 
 from ._calls import Project
 from ._check import parse
-from ._findings import ignored_codes
+from ._findings import Finding, ignored_codes
 from ._registry import REGISTRY
-from ._syntax import dotted, is_const, keyword, method, receiver
+from ._rewrites import Declined, Edit, Rewrite, host_factory, set_to_none
+from ._script import Script
+from ._text import Text
 
-Edit = tuple[int, int, str]  # start and end offsets in the source text, the replacement
-_SAFE_FACTORIES = frozenset(
-    {"zeros", "ones", "full", "empty", "arange", "eye", "linspace", "tensor"}
-)
+Rewriter = Callable[[ast.AST, Script, Text], Rewrite | Declined | None]
+_REWRITERS: dict[str, Rewriter] = {"LK004": host_factory, "LK010": set_to_none}
 
 
 def fixable_codes() -> tuple[str, ...]:
-    """The rules ``--fix`` can rewrite."""
-    return tuple(sorted(_FIXERS))
+    """The rules ``--fix`` rewrites or suggests a rewrite for."""
+    return tuple(sorted(_REWRITERS))
 
 
-def fix_source(source: str, select: Iterable[str] | None = None, path: str = "<string>") -> str:
-    """``source`` with every fixable finding rewritten (``select``: the codes to fix; None,
-    the fixable rules that are on by default). Raises SyntaxError if it does not parse."""
+def fix_source(
+    source: str,
+    select: Iterable[str] | None = None,
+    path: str = "<string>",
+    *,
+    suggestions: list[Finding] | None = None,
+) -> str:
+    """``source`` with every finding whose rewrite keeps every result rewritten.
+
+    ``select``: the codes to fix (None: the fixable rules that are on by default). Raises
+    SyntaxError (or ValueError) if ``source`` does not parse. ``suggestions``: a list that
+    gets one ``Finding`` per rewrite not applied because it could change what some program
+    computes (its ``message`` says why, its ``fix`` is the rewritten code).
+    """
     codes = [
         c
-        for c in (_FIXERS if select is None else select)
-        if c in _FIXERS and (select is not None or REGISTRY[c].default)
+        for c in (_REWRITERS if select is None else select)
+        if c in _REWRITERS and (select is not None or REGISTRY[c].default)
     ]
     # A rewrite can uncover another (a fixed inner call inside a moved outer one): repeat
     # until nothing changes; each pass only shortens the list of findings, so this ends.
-    for _ in range(8):
-        edits = _edits(source, path, codes)
-        if not edits:
-            return source
-        source = _apply(source, edits)
+    for attempt in range(8):
+        script, rewrites, declined = _findings(source, path, codes)
+        if attempt == 0 and suggestions is not None:
+            suggestions.extend(declined)
+        if not rewrites:
+            break
+        source = _apply(source, script, rewrites)
     return source
 
 
-def _edits(source: str, path: str, codes: list[str]) -> list[Edit]:
+def _findings(
+    source: str, path: str, codes: list[str]
+) -> tuple[Script, list[Rewrite], list[Finding]]:
+    """The rewrites of one pass, and the suggestions, at the findings no comment silences."""
     script = parse(source, path)
     Project([script])
     ignored = ignored_codes(source)
-    lines = source.splitlines(keepends=True)
-    edits: list[Edit] = []
+    text = Text(source)
+    rewrites: list[Rewrite] = []
+    declined: list[Finding] = []
+    seen: set[int] = set()
     for code in codes:
         for node, _ in REGISTRY[code].check(script):
             line = getattr(node, "lineno", 0)
             silenced = ignored.get(line, frozenset())
-            if silenced is None or code in silenced:
+            if silenced is None or code in silenced or id(node) in seen:
                 continue
-            edit = _FIXERS[code](node, source, lines)
-            if edit is not None:
-                edits.append(edit)
-    return edits
+            seen.add(id(node))
+            answer = _REWRITERS[code](node, script, text)
+            if isinstance(answer, Rewrite):
+                rewrites.append(answer)
+            elif isinstance(answer, Declined):
+                before = ast.unparse(node)
+                declined.append(
+                    Finding(
+                        path=path,
+                        line=line,
+                        col=getattr(node, "col_offset", 0) + 1,
+                        code=code,
+                        message=f"`{before}` not rewritten by --fix: {answer.reason}",
+                        fix=answer.after,
+                    )
+                )
+    return script, rewrites, declined
 
 
-def _apply(source: str, edits: list[Edit]) -> str:
-    """The edits that do not overlap an earlier one, applied from the end."""
-    kept: list[Edit] = []
-    for edit in sorted(set(edits)):
-        if not kept or edit[0] >= kept[-1][1]:
-            kept.append(edit)
-    for start, end, text in reversed(kept):
-        source = source[:start] + text + source[end:]
-    return source
+def _apply(source: str, script: Script, rewrites: list[Rewrite]) -> str:
+    """The rewrites that overlap no earlier one, applied; the result checked against the
+    intended tree (``script``'s, with each rewritten node replaced)."""
+    kept: list[Rewrite] = []
+    for rewrite in sorted(rewrites, key=lambda r: r.span):
+        if not kept or rewrite.span[0] >= kept[-1].span[1]:
+            kept.append(rewrite)
+    edits: list[Edit] = sorted(e for r in kept for e in r.edits)
+    fixed = source
+    for start, end, replacement in reversed(edits):
+        fixed = fixed[:start] + replacement + fixed[end:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _Replace({id(r.node): r.replacement for r in kept}).visit(script.tree)
+        try:
+            got = ast.dump(ast.parse(fixed))
+        except SyntaxError as exc:
+            got = f"a text that does not parse ({exc})"
+    if got != ast.dump(expected):
+        where = ", ".join(str(getattr(r.node, "lineno", "?")) for r in kept)
+        raise RuntimeError(
+            f"loopkit.lint --fix: the rewrite of {script.path} at line(s) {where} did not give the "
+            f"intended code, {got[:200]}: a bug of the fixer (please report it); the file "
+            "was left as it was"
+        )
+    return fixed
 
 
-def _offset(lines: list[str], lineno: int, col: int) -> int:
-    """The text offset of an ast position (its column counts UTF-8 bytes)."""
-    before = sum(len(line) for line in lines[: lineno - 1])
-    return before + len(lines[lineno - 1].encode()[:col].decode(errors="ignore"))
+class _Replace(ast.NodeTransformer):
+    """A tree with the nodes at the rewrites' positions replaced by their replacements."""
 
+    def __init__(self, by_id: dict[int, ast.expr]) -> None:
+        self.by_id = by_id
 
-def _span(node: ast.AST, lines: list[str]) -> tuple[int, int] | None:
-    end_line, end_col = getattr(node, "end_lineno", None), getattr(node, "end_col_offset", None)
-    if end_line is None or end_col is None:
-        return None
-    start = _offset(lines, getattr(node, "lineno", 1), getattr(node, "col_offset", 0))
-    return start, _offset(lines, end_line, end_col)
-
-
-def _looks_like_device(node: ast.expr) -> bool:
-    """``device``, ``x.device``, ``args.device``, ``local_rank``, ``'cuda:0'``,
-    ``torch.device(...)``: not a tensor or a dtype (``.to(t)`` converts the dtype too)."""
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, str) and node.value.split(":")[0] in {"cuda", "cpu", "mps"}
-    if isinstance(node, ast.Call):
-        return (dotted(node.func) or "").endswith("device") and not node.keywords
-    name = (dotted(node) or "").rsplit(".", 1)[-1].lower()
-    return bool(name) and any(w in name for w in ("device", "dev", "rank", "gpu"))
-
-
-def _fix_host_factory(node: ast.AST, source: str, lines: list[str]) -> Edit | None:
-    """``torch.ones(3).to(device)`` -> ``torch.ones(3, device=device)``."""
-    if not isinstance(node, ast.Call) or node.keywords:
-        return None
-    factory = receiver(node)
-    if (
-        not isinstance(factory, ast.Call)
-        or not isinstance(factory.func, ast.Attribute)
-        or dotted(factory.func.value) != "torch"
-        or factory.func.attr not in _SAFE_FACTORIES
-        or any(k.arg in {"device", None} for k in factory.keywords)
-        or any(isinstance(a, ast.Starred) for a in factory.args)
-    ):
-        return None
-    if method(node) == "cuda" and not node.args:
-        device = '"cuda"'
-    elif method(node) == "to" and len(node.args) == 1 and _looks_like_device(node.args[0]):
-        device = ast.get_source_segment(source, node.args[0]) or ""
-    else:
-        return None
-    whole, built = _span(node, lines), _span(factory, lines)
-    if whole is None or built is None or not device:
-        return None
-    inner = source[built[0] : built[1] - 1].rstrip()  # up to the closing parenthesis
-    if inner.endswith(","):
-        inner += " "
-    elif not inner.endswith("("):
-        inner += ", "
-    return whole[0], whole[1], f"{inner}device={device})"
-
-
-def _fix_set_to_none(node: ast.AST, source: str, lines: list[str]) -> Edit | None:
-    """``zero_grad(set_to_none=False)`` / ``zero_grad(False)`` -> ``set_to_none=True``."""
-    if not isinstance(node, ast.Call) or method(node) != "zero_grad":
-        return None
-    flag = keyword(node, "set_to_none")
-    value = flag.value if flag is not None else node.args[0] if node.args else None
-    span = _span(value, lines) if value is not None and is_const(value, False) else None
-    if span is None:
-        return None
-    if flag is None and len(node.args) == 1:  # zero_grad(False): say what True means
-        return span[0], span[1], "set_to_none=True"
-    return span[0], span[1], "True"
-
-
-_FIXERS: dict[str, Callable[[ast.AST, str, list[str]], Edit | None]] = {
-    "LK004": _fix_host_factory,
-    "LK010": _fix_set_to_none,
-}
+    def visit(self, node: ast.AST) -> ast.AST:
+        new = self.by_id.get(id(node))
+        return new if new is not None else super().visit(node)
