@@ -206,7 +206,7 @@ def loopkit_orders(epochs: int) -> list[list[int]]:
 
     indexed = torch.utils.data.TensorDataset(torch.arange(N_TRAIN))
     loader = distributed.loader(indexed, batch_size=BATCH, seed=0, num_workers=0)
-    return [[int(i) for (b,) in loader for i in b] for _ in range(epochs)]
+    return [[int(i) for (b,) in loader.training_pass() for i in b] for _ in range(epochs)]
 
 
 def accelerate_orders(batches: list[torch.Tensor]) -> list[list[int]]:

@@ -356,8 +356,32 @@ def loader_shards(info: distributed.DistInfo) -> dict[str, Any]:
     loader = distributed.loader(dataset, global_batch_size=8, num_workers=0, seed=3)
     epochs = []
     for _ in range(3):
-        epochs.append([int(i) for (batch,) in loader for i in batch])
+        epochs.append([int(i) for (batch,) in loader.training_pass() for i in batch])
     return {"epochs": epochs, "batch_size": loader.batch_size}
+
+
+@scenario
+def passes_outside_training(info: distributed.DistInfo) -> dict[str, Any]:
+    """Two epochs of DDP training (a plain loop, then iterate), rank 0 alone peeking and
+    running an evaluation pass over the training loader: the indices each rank trained on."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32))
+    loader = distributed.loader(dataset, global_batch_size=8, num_workers=0, seed=3)
+    model = distributed.wrap(nn.Linear(1, 1))
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    trained: list[list[int]] = []
+    for epoch in range(loader.epoch, 4):
+        if info.rank == 0:
+            next(iter(loader))
+        seen: list[int] = []
+        for (x,) in loader if epoch % 2 == 0 else step.iterate(loader):
+            seen += x.long().tolist()
+            with step as s:
+                s.backward(model(x[:, None]).square().mean())
+        if info.rank == 0:
+            evaluated = [int(i) for (x,) in loader for i in x]
+            assert len(evaluated) == 20  # a whole pass of its shard, the loader unchanged
+        trained.append(seen)
+    return {"trained": trained, "epoch": loader.epoch, "updates": step.updates}
 
 
 @scenario

@@ -178,6 +178,17 @@ def test_loader_gives_disjoint_shards_and_new_orders(results: Any) -> None:
     assert results["loader_shards"][0]["batch_size"] == 4  # global 8 over 2 ranks
 
 
+def test_a_pass_one_rank_reads_outside_training_changes_no_rank(results: Any) -> None:
+    """Rank 0 alone peeks and evaluates over the training loader each epoch: both ranks
+    train 4 epochs (plain loops and iterate), each epoch every sample once, new orders."""
+    rank0, rank1 = results["passes_outside_training"]
+    for r in (rank0, rank1):
+        assert r["epoch"] == 4 and r["updates"] == 4 * 5
+    for e0, e1 in zip(rank0["trained"], rank1["trained"], strict=True):
+        assert sorted(e0 + e1) == list(range(40))
+    assert len({str(e) for e in rank0["trained"]}) == 4
+
+
 def test_bad_global_batch_and_double_wrap_are_refused(results: Any) -> None:
     """A global batch the world size does not divide, and wrap() on DDP, raise clearly."""
     for r in results["bad_global_batch"]:
@@ -324,7 +335,7 @@ def test_single_process_loader_reshuffles_each_epoch_reproducibly() -> None:
 
     def orders(seed: int) -> list[list[int]]:
         loader = distributed.loader(dataset, batch_size=4, num_workers=0, seed=seed)
-        return [[int(i) for (b,) in loader for i in b] for _ in range(2)]
+        return [[int(i) for (b,) in loader.training_pass() for i in b] for _ in range(2)]
 
     first = orders(5)
     assert first[0] != first[1] and sorted(first[0]) == list(range(16))

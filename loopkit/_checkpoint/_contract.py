@@ -19,6 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .. import _ranks
+from .._data import _consumed
 from .._errors import CheckpointError
 from .._types import Stateful
 
@@ -97,7 +98,9 @@ class ExtraStates:
     """The ``extra=`` objects, under the file's ``"extra"`` key by name.
 
     An object that is a whole ``StatePiece`` (it checks, snapshots and restores itself)
-    is used as it is; any other ``Stateful`` is wrapped in a ``UserState``.
+    is used as it is; any other ``Stateful`` is wrapped in a ``UserState``. A loader among
+    them that the loop reads through ``step.iterate`` is saved at the place after the
+    batches the loop consumed, not past the batch iterate took ahead (``_data._consumed``).
     """
 
     per_rank = False
@@ -114,9 +117,15 @@ class ExtraStates:
                     f"extra[{name!r}] has no state_dict()/load_state_dict(): wrap it in an "
                     "object that has them"
                 )
+        self._objects = dict(extra)
+        for obj in self._objects.values():
+            _consumed.watch(obj)  # iterate records its state only if it reads this object
 
     def state_dict(self) -> dict[str, object]:
-        return {name: piece.state_dict() for name, piece in self.pieces.items()}
+        return {
+            name: _consumed.state_of(self._objects[name], piece.state_dict)
+            for name, piece in self.pieces.items()
+        }
 
     def check_state_dict(self, saved: object) -> None:
         states = expect(saved, Mapping, "'extra'")

@@ -87,9 +87,13 @@ class EpochCode:
 
     def in_loop(self, clock: Clock | None, ends_pass: bool) -> bool:
         """At a boundary that ends the loader's pass (``ends_pass``): whether the loop over
-        the pass still runs (its ``iterate``, see ``iterating``): the epoch's code after it
-        has not run yet."""
-        return ends_pass and self._current() and iterating(clock)
+        the pass still runs (its ``iterate``, see ``iterating``, or a plain ``for x, y in
+        loader:`` whose pass training counted and has not run out): the epoch's code after
+        it has not run yet."""
+        if not (ends_pass and self._current()):
+            return False
+        loader = self.loader
+        return iterating(clock) or (loader is not None and loader._counted_pass_open())
 
     @contextlib.contextmanager
     def saving(

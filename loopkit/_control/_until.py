@@ -203,6 +203,7 @@ class until:
         try:
             while True:
                 epoch = loader.epoch if loader is not None else self._state.epoch
+                self._state.epoch = epoch  # with a loader, its epochs: alike in every launch
                 if self.reason is None:
                     updates = self._boundaries.updates
                     if self.max_epochs is not None and epoch >= self.max_epochs:
@@ -227,8 +228,7 @@ class until:
                 self._in_epoch = self._restored = False
                 if self.checkpointer is not None:  # the epoch's code after its pass has run
                     self.checkpointer._epoch_code.body_done()
-                if loader is None:
-                    self._state.epoch = epoch + 1
+                self._state.epoch = epoch + 1  # (with a loader, set from it again above)
         except GeneratorExit:
             # The epoch loop was left early: by a break or by an exception in its body,
             # which cannot be told apart here, so nothing is saved (a failed epoch's state

@@ -67,7 +67,7 @@ def loader(
     divide). ``dataset``, ``shuffle`` and ``drop_last`` are DataLoader's. ``num_workers``
     defaults to this node's cores per process minus one; ``pin_memory`` only with CUDA;
     ``persistent_workers`` (default: when there are workers); under DDP a
-    ``DistributedSampler`` whose ``set_epoch`` is called on every pass. Each batch is
+    ``DistributedSampler`` whose ``set_epoch`` is called on every training pass. Each batch is
     fetched and collated with the python, numpy and torch RNGs set from (``seed``, epoch,
     rank, batch index), so random augmentation does not depend on the workers and resumes
     exactly. ``seed`` is any integer (numpy integers too) in [-2**63, 2**63 - 1].
@@ -76,9 +76,16 @@ def loader(
     generator); each batch is then fetched with the RNGs set from its own key. Other
     DataLoader arguments (``prefetch_factor``, ``timeout``, ...) pass through.
 
+    A pass counts as an epoch when training consumes it: a pass of ``step.iterate(loader)``
+    from its start, any other pass (``for x, y in loader:``) once a micro-step of a loopkit
+    step (or an optimizer's ``step()``) consumes a batch it handed out. A peek
+    (``next(iter(loader))``) or an evaluation pass over it changes nothing of the training
+    run. ``set_epoch(epoch)`` sets the next pass's epoch; ``training_pass()`` counts from
+    its start (see the multi-GPU guide, "Which passes are epochs").
+
     A ``loopkit.preload`` cache is batched by one index operation per field
     (``Preloaded.batch``), with no workers by default; without workers straight into
-    buffers handed out again once the loop holds no tensor on them, and without a reseed
+    buffers handed out again once nothing can read them, and without a reseed
     unless a ``collate_fn`` is given: it receives the whole batch (batch-level
     augmentation, under the batch's RNG key).
     """

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader
 
 from .._checks import is_int_at_least
+from ._passes import Pass as Pass  # re-exported: a step reads Pass.latest
+from ._passes import rng_as_at, rng_now
 from ._seeding import KeyedBatches
+from ._state_checks import check_state
+from ._state_checks import resharded as resharded  # re-exported
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -27,19 +34,6 @@ class _Progress:
     """The epoch of the current pass (after a load, of the pass to run next)."""
     pass_generator_state: torch.Tensor | None = None
     """The loader's generator as the current pass began (it draws the workers' seeds)."""
-
-
-class Pass:
-    """One pass over an ``EpochLoader``; ``Pass.latest`` is the last to hand out a batch.
-
-    A step reads it to notice a window that spans two passes of one loader.
-    """
-
-    __slots__ = ("loader_id",)
-    latest: ClassVar[Pass | None] = None
-
-    def __init__(self, loader_id: int) -> None:
-        self.loader_id = loader_id
 
 
 LoaderSnapshot = tuple[_Progress, torch.Tensor | None]
@@ -62,6 +56,13 @@ class EpochLoader:
         # Called (and dropped) when the next pass starts, before its first batch is drawn:
         # a Checkpointer defers an end-of-epoch save to here, after the epoch's own code.
         self._before_next_pass: list[Callable[[], object]] = []
+        self._recent: list[Pass] = []  # uncounted passes started since one counted
+        self._open: Pass | None = None  # the latest counted pass
+        self._uncounted: Pass | None = None  # the latest uncounted pass whose draw is undone
+        # Persistent workers stopped as this loader goes, before the garbage collector can
+        # take it: collected with a Checkpointer (a reference cycle), the DataLoader's own
+        # iterator would find its queues closed and wait 5 s per worker for them to time out.
+        weakref.finalize(self, _stop_workers, loader)
 
     @property
     def epoch(self) -> int:
@@ -74,39 +75,128 @@ class EpochLoader:
         return self._progress.position
 
     def __iter__(self) -> Iterator[Any]:
-        while self._before_next_pass:
-            # Each hook leaves the list before it runs: one that raises is not run again,
-            # and the ones after it still run at the next pass.
-            self._before_next_pass.pop(0)()
+        """A pass that counts once training consumes one of its batches (``_passes``): a peek
+        or an evaluation pass leaves the loader as it was."""
+        return self._start(counted=False)
+
+    def training_pass(self) -> Iterator[Any]:
+        """A pass that counts from its start: a step's ``iterate`` trains on it."""
+        return self._start(counted=True)
+
+    def _start(self, counted: bool) -> Iterator[Any]:
+        self._settle()
         p = self._progress
-        epoch, p.next_epoch = p.next_epoch, p.next_epoch + 1
-        self.batches.set_epoch(epoch)
+        start = p.resume_at
+        if not counted and start >= len(self.loader) > 0:
+            # A pass resumed with no batch left (saved before its epoch's code ran) hands out
+            # nothing for training to consume: it counts as it starts, as iterate's does.
+            counted = True
+        this = Pass(self, p.next_epoch, start, counted)
+        if counted:
+            self._run_before_next_pass()
+            self._recent = []
+        else:
+            self._recent = [*self._recent[-7:], this]  # (a few: passes opened and left)
+            if self._before_next_pass:  # a save waits: it holds the RNGs the pass starts with
+                this.rng = rng_now()
+        self.batches.set_epoch(this.epoch)
+        self.batches.skip = start
         generator = self.loader.generator
         if generator is not None:
             # The pass draws its worker seeds from this generator: remember its state at the
             # start of the pass so a resumed pass draws the same ones.
-            p.pass_generator_state = generator.get_state()
-        start, p.resume_at = p.resume_at, 0
-        self.batches.skip = start
-        p.pass_epoch = epoch
-        p.position = start
+            this.before = generator.get_state()
+        if counted:
+            p.next_epoch, p.resume_at = this.epoch + 1, 0
+            p.pass_epoch, p.position = this.epoch, start
+            p.pass_generator_state = this.before
+            self._open = this
         if start >= len(self.loader):
-            # A pass resumed with no batch left (saved before its epoch's code ran): no
-            # DataLoader iterator, which would draw a seed from the generator the next
-            # pass starts from.
+            # No batch left: no DataLoader iterator, which would draw a seed from the
+            # generator the next pass starts from.
+            this.ended = True
             return iter(())
-        return self._counted(iter(self.loader), Pass(id(self)))
+        persistent = self.loader.persistent_workers
+        starts_workers = persistent and self.loader._iterator is None
+        in_one = self._counted_pass_open() or any(not q.ended for q in self._recent[:-1])
+        if not counted and persistent and in_one:
+            # A pass inside another (a training pass): its own workers (resetting the
+            # persistent iterator would restart the pass it is in).
+            starts_workers = False
+            it: Iterator[Any] = self.loader._get_iterator()
+        else:
+            it = iter(self.loader)
+        if generator is not None and not counted and not starts_workers:
+            # Taken back if the pass never counts (persistent workers it started keep theirs:
+            # later passes reuse them without drawing).
+            this.after = generator.get_state()
+            self._uncounted = this
+        return self._counted(it, this)
 
     def _counted(self, it: Iterator[Any], this: Pass) -> Iterator[Any]:
-        for batch in it:
-            self._progress.position += 1
-            Pass.latest = this
-            yield batch
+        try:
+            for batch in it:
+                if this.counted:
+                    self._progress.position += 1
+                    Pass.latest = this
+                else:
+                    this.handed_out()
+                yield batch
+        finally:
+            this.ended = True
+
+    def _run_before_next_pass(self) -> None:
+        while self._before_next_pass:
+            # Each hook leaves the list before it runs: one that raises is not run again,
+            # and the ones after it still run at the next pass.
+            self._before_next_pass.pop(0)()
+
+    def _count(self, this: Pass) -> None:
+        """Training consumed a batch of the uncounted pass ``this``: it is the loader's now,
+        as if it had counted from its start (what waits for the next pass runs first, with
+        the loader as it was before the pass)."""
+        with rng_as_at(this.rng):
+            self._run_before_next_pass()
+        p = self._progress
+        p.next_epoch, p.resume_at = this.epoch + 1, 0
+        p.pass_epoch, p.position = this.epoch, this.start + this.handed
+        p.pass_generator_state = this.before
+        this.counted, this.rng = True, None
+        self._open, Pass.latest = this, this
+        self._uncounted, self._recent = None, []  # (later passes drew as it did: ``_settle``)
+
+    def _counted_pass_open(self) -> bool:
+        """Whether a counted pass is still being iterated (training is in its middle)."""
+        return self._open is not None and not self._open.ended
+
+    def _settle(self) -> None:
+        """An uncounted pass is left (another starts, the place is set or loaded): the draw
+        its DataLoader iterator made from the generator is taken back."""
+        this, self._uncounted = self._uncounted, None
+        generator = self.loader.generator
+        if this is None or this.counted or generator is None or this.before is None:
+            return
+        if this.after is not None and torch.equal(generator.get_state(), this.after):
+            generator.set_state(this.before)
+
+    def _generator_state(self) -> torch.Tensor | None:
+        """The generator as the next pass starts from it (an uncounted pass's draw left out)."""
+        generator = self.loader.generator
+        if generator is None:
+            return None
+        this = self._uncounted
+        if this is not None and not this.counted and this.before is not None:
+            return this.before
+        state: torch.Tensor = generator.get_state()
+        return state
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass run ``epoch`` (for a resumed run)."""
+        """Make the next pass run ``epoch`` (for a resumed run); a pass started before that
+        no longer counts."""
         if not is_int_at_least(epoch, 0):
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._settle()
+        self._recent = []
         self._progress.next_epoch = epoch
 
     def state_dict(self, consumed: int | None = None, epoch_open: bool = False) -> dict[str, Any]:
@@ -144,7 +234,7 @@ class EpochLoader:
             finished = position >= len(self.loader)
             if finished or p.pass_generator_state is None:
                 # The next pass starts from the generator as it is now.
-                state["generator"] = generator.get_state()
+                state["generator"] = self._generator_state()
             else:
                 # A resumed pass is rebuilt from its start: the state the pass began with.
                 state["generator"] = p.pass_generator_state
@@ -152,85 +242,7 @@ class EpochLoader:
 
     def _check_state(self, state: object) -> None:
         """Raise ValueError saying what is wrong if ``state`` cannot be loaded here."""
-        if not isinstance(state, Mapping):
-            raise ValueError(f"a loader state must be a dict, got {type(state).__name__}")
-        for key in ("epoch", "position", "next_epoch", "dataset_length", "samples", "batches"):
-            if key not in state:
-                raise ValueError(f"the loader state has no {key!r} entry (incomplete)")
-            if not is_int_at_least(state[key], 0):
-                raise ValueError(
-                    f"the loader state's {key!r} must be an int >= 0, got {state[key]!r}"
-                )
-        if "batch_size" not in state:
-            raise ValueError("the loader state has no 'batch_size' entry (incomplete)")
-        if not isinstance(state.get("epoch_open", False), bool):
-            raise ValueError(
-                f"the loader state's 'epoch_open' must be a bool, got {state['epoch_open']!r}"
-            )
-        if state["dataset_length"] != self.batches.dataset_length:
-            raise ValueError(
-                f"the data set has {self.batches.dataset_length} samples but the state was "
-                f"saved with {state['dataset_length']}: resuming would repeat some samples and "
-                "skip others; resume with the data set the run was saved with"
-            )
-        saved_world = state.get("world_size", self.batches.world_size)
-        if saved_world != self.batches.world_size:
-            resharded(state, self.batches, len(self.loader))
-        elif state["batch_size"] != self.batches.batch_size:
-            raise ValueError(
-                f"the loader's batch size is {self.batches.batch_size} but the state was saved "
-                f"with {state['batch_size']}: build the loader with the same batch size"
-            )
-        here = (self.batches.samples, len(self.loader))
-        if saved_world == self.batches.world_size and (state["samples"], state["batches"]) != here:
-            raise ValueError(
-                f"this loader's pass has {here[0]} samples in {here[1]} batches but the state "
-                f"was saved from one with {state['samples']} in {state['batches']}: resume with "
-                "the same number of processes, drop_last and batch size"
-            )
-        if state["position"] > state["batches"]:
-            raise ValueError(
-                f"the loader state's position {state['position']} is past the end of a pass of "
-                f"{state['batches']} batches"
-            )
-        if 0 < state["position"] < state["batches"]:
-            self._check_order(state)
-        generator = self.loader.generator
-        saved = state.get("generator")
-        if saved is not None and generator is not None:
-            if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
-                raise ValueError(
-                    "the loader state's 'generator' must be a uint8 tensor from "
-                    f"torch.Generator.get_state(), got {type(saved).__name__}"
-                )
-            try:  # on a scratch generator: this loader's stays untouched if it is refused
-                torch.Generator(device=generator.device).set_state(saved)
-            except (RuntimeError, ValueError, TypeError) as err:
-                raise ValueError(
-                    f"the loader state's 'generator' is not a valid state: {err}"
-                ) from err
-
-    def _check_order(self, state: Mapping[str, Any]) -> None:
-        """Refuse a mid-pass state whose pass was drawn in another order than this loader's."""
-        here = {"seed": self.batches.seed, "shuffle": self.batches.shuffle}
-        # A state saved before these were recorded says nothing of them: not checked.
-        saved = {k: state[k] for k in here if k in state}
-        for key, value in saved.items():
-            if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"the loader state's 'seed' must be an int, got {value!r}")
-            if key == "shuffle" and not isinstance(value, bool):
-                raise ValueError(f"the loader state's 'shuffle' must be a bool, got {value!r}")
-        differ = [k for k in saved if saved[k] != here[k]]
-        if differ:
-            said = ", ".join(f"{k}={saved[k]!r}" for k in differ)
-            now = ", ".join(f"{k}={here[k]!r}" for k in differ)
-            raise ValueError(
-                f"the state was saved mid-pass ({state['position']} of {state['batches']} "
-                f"batches) by a loader with {said}, but this loader has {now}: the rest of the "
-                f"pass would come in another order (repeating some samples, skipping others) "
-                f"or with other random augmentation. Build the loader with {said} to resume "
-                "(another order can start at a pass's boundary)"
-            )
+        check_state(state, self.batches, len(self.loader), self.loader.generator)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state_dict`` left off: the same epoch, the next batch.
@@ -239,6 +251,8 @@ class EpochLoader:
         generator state); a refused state changes nothing.
         """
         self._check_state(state)
+        self._settle()
+        self._recent = []  # a pass started before the load no longer counts
         p = self._progress
         position = int(state["position"])
         if position >= len(self.loader) and not state.get("epoch_open"):
@@ -260,7 +274,7 @@ class EpochLoader:
         generator = self.loader.generator
         return (
             dataclasses.replace(self._progress),
-            generator.get_state() if generator is not None else None,
+            self._generator_state() if generator is not None else None,
         )
 
     def _restore(self, snapshot: LoaderSnapshot) -> None:
@@ -278,61 +292,17 @@ class EpochLoader:
         return self.batches.batch_size
 
 
-def resharded(state: Mapping[str, Any], here: KeyedBatches, batches: int) -> None:
-    """Raise ValueError unless a pass saved by another number of processes continues here
-    with the same global batches (``batches``: this loader's per pass).
+def _stop_workers(loader: DataLoader[Any]) -> None:
+    """Shut a DataLoader's persistent workers down while its iterator is whole."""
+    it, loader._iterator = loader._iterator, None
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
-    Batch ``i`` of a pass, taken on every rank together, is the permutation's samples
-    ``[i * G, (i + 1) * G)`` for the global batch ``G = batch_size * world_size`` (the
-    sampler deals rank ``r`` every ``world_size``-th sample from ``r``; the permutation
-    depends on the seed and epoch only). So with the same ``G`` the saved position, in
-    batches, is the same place in the pass on any number of processes, provided the pass
-    holds the same samples: with ``drop_last`` always (``n // G`` whole batches), without
-    it when both pad the data set to the same length (a multiple of each number of processes).
-    """
-    world = here.world_size
-    saved_world = state["world_size"]
-    if not is_int_at_least(saved_world, 1):
-        raise ValueError(
-            f"the loader state's 'world_size' must be an int >= 1, got {saved_world!r}"
-        )
-    if not is_int_at_least(state["batch_size"], 1):
-        raise ValueError(
-            f"the loader state's 'batch_size' must be an int >= 1, got {state['batch_size']!r}"
-        )
-    saved_global = state["batch_size"] * saved_world
-    if saved_global != here.batch_size * world:
-        raise ValueError(
-            f"the state was saved by {saved_world} process(es) with a global batch of "
-            f"{saved_global} samples ({state['batch_size']} each), but this loader's is "
-            f"{here.batch_size * world} ({here.batch_size} on each of {world}): build it with "
-            f"loopkit.distributed.loader(..., global_batch_size={saved_global}) so that the "
-            "rest of the pass takes every sample once"
-            + (
-                ""
-                if saved_global % world == 0
-                else f" (which needs a number of processes dividing {saved_global})"
-            )
-        )
-    drop_last = state.get("drop_last")
-    if drop_last is not here.drop_last:
-        raise ValueError(
-            f"the state was saved by {saved_world} process(es) with drop_last={drop_last!r}, "
-            f"this loader has drop_last={here.drop_last}: build it with the same drop_last "
-            "to resume on another number of processes"
-        )
-    padded = (state["samples"] * saved_world, here.samples * world)
-    if not drop_last and padded[0] != padded[1]:
-        n = here.dataset_length
-        raise ValueError(
-            f"a pass over {n} samples is padded to {padded[0]} by {saved_world} process(es) "
-            f"but to {padded[1]} by {world} (the sampler repeats samples to give each "
-            "process as many): the rest of the pass would hold other samples. Build the "
-            "loader with drop_last=True, or resume on a number of processes that pads as "
-            f"{saved_world} did (one dividing {n})"
-        )
-    if state["batches"] != batches:  # follows from the above; a damaged state otherwise
-        raise ValueError(
-            f"the state's pass has {state['batches']} batches but this loader's has "
-            f"{batches}: resume with the loader the run was saved with"
-        )
+
+def training_iter(items: Iterable[T]) -> Iterator[T]:
+    """``iter(items)`` for a step's ``iterate``: a ``distributed.loader``'s pass counts from
+    its start (``EpochLoader.training_pass``)."""
+    if isinstance(items, EpochLoader):
+        return items.training_pass()
+    return iter(items)

@@ -121,17 +121,19 @@ class KeyedBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         base = self.base
         indices: Iterator[int] = iter(base if base is not None else range(self.dataset_length))
-        start, self.skip = self.skip, 0
+        # The pass's epoch as it starts: another pass begun meanwhile (a peek, an evaluation)
+        # sets the epoch again, which must not change this pass's keys.
+        start, self.skip, epoch = self.skip, 0, self.epoch
         for _ in range(start * self.batch_size):  # indices only: nothing is loaded
             next(indices, None)
         number, batch = start, []
         for i in indices:
             batch.append(i)
             if len(batch) == self.batch_size:
-                yield KeyedBatch(batch, (self.seed, self.epoch, self.rank, number))
+                yield KeyedBatch(batch, (self.seed, epoch, self.rank, number))
                 number, batch = number + 1, []
         if batch and not self.drop_last:
-            yield KeyedBatch(batch, (self.seed, self.epoch, self.rank, number))
+            yield KeyedBatch(batch, (self.seed, epoch, self.rank, number))
 
     def __len__(self) -> int:
         full, rest = divmod(self.samples, self.batch_size)
@@ -139,7 +141,7 @@ class KeyedBatches(Sampler[list[int]]):
 
     def index_tensors(self) -> Iterator[tuple[torch.Tensor, Key]]:
         """The batches ``__iter__`` gives, as int64 tensors (slices of the pass's order)."""
-        start, self.skip = self.skip, 0
+        start, self.skip, epoch = self.skip, 0, self.epoch  # as __iter__: the pass's own
         base = self.base
         order: torch.Tensor
         if base is None:
@@ -151,7 +153,7 @@ class KeyedBatches(Sampler[list[int]]):
         size = self.batch_size
         stop = len(order) - len(order) % size if self.drop_last else len(order)
         for number, at in enumerate(range(start * size, stop, size), start):
-            yield order[at : at + size], (self.seed, self.epoch, self.rank, number)
+            yield order[at : at + size], (self.seed, epoch, self.rank, number)
 
 
 class SeededBatches(Dataset[Any]):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .. import _ranks
+from .._data._epoch_loader import training_iter
 from .._observe._progress import ProgressDisplay
 from . import _micro_batch
 from ._micro_batch import leading_size
@@ -152,10 +153,13 @@ def iterate(
     doc, mover = step.doctor, step._mover
     # Before anything below starts the pass (a generator's iter()): its place is still known.
     total = total_updates(step.accumulator, iterable, step.accumulator.every) if progress else None
+    # A distributed.loader's pass started here is training's from its start (``_passes``).
     if doc is None:
-        moved: Iterable[T] = (mover(b) for b in iterable)
+        moved: Iterable[T] = (mover(b) for b in training_iter(iterable))
     else:
-        moved = _timed_moves(doc, doc.iterate(iterable), mover)
+        if doc.loader is None:
+            doc.loader = iterable  # what the doctor's tips read: the loader, not its pass
+        moved = _timed_moves(doc, doc.iterate(training_iter(iterable)), mover)
     if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
         batches: Iterable[T] = _micro_batch.iterate(step, iterable, moved)
     else:

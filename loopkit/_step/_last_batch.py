@@ -19,6 +19,10 @@ and where nothing else tells the last batch (an iterable without a length: a gen
 an ``IterableDataset`` without ``__len__``), so that loop control sees every window end
 inside the loop body. Such an iterable that draws random numbers as it yields does not
 keep the hand loop's random stream: give it a ``__len__``.
+
+A batch taken ahead moves a stateful loader's own place past the loop's: for a loader a
+Checkpointer saves, its state is recorded before each batch taken ahead
+(``_data._consumed``), so a save holds the place after the batches the loop consumed.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from torch.utils.data import (
     SubsetRandomSampler,
 )
 
-from .._data._epoch_loader import EpochLoader
+from .._data import _consumed
+from .._data._epoch_loader import EpochLoader, training_iter
 
 T = TypeVar("T")
 
@@ -91,11 +96,40 @@ def marked(
     """``(batch, whether it is the pass's last)`` for each batch of ``items`` (taken from
     ``source``, moved by ``move`` as it is taken). ``holder.lookahead`` is 1 while a batch
     is held back. When the batches end before a last one was marked (a length that was
-    not kept), the caller closes the window left open."""
+    not kept), the caller closes the window left open. Called as the pass starts (by
+    iterate's generators, at their first batch): ``iter(items)`` starts it."""
     n = counted_length(source)
-    it = iter(items)
+    it = training_iter(items)  # a distributed.loader's pass is training's from its start
+    track = _consumed.tracker(source)  # None (no cost per batch) unless a Checkpointer saves it
+    if track is None:
+        return _marked(holder, source, it, n, move, None)
+    return _tracked(track, _marked(holder, source, it, n, move, track))
+
+
+def _tracked(track: _consumed.Tracker, marks: Iterator[tuple[T, bool]]) -> Iterator[tuple[T, bool]]:
+    """``marks``, telling ``track`` whether the pass ran out or was left mid-way."""
+    done = False
+    try:
+        yield from marks
+        done = True
+        track.ended()
+    finally:
+        if not done:
+            track.left()
+
+
+def _marked(
+    holder: Holder,
+    source: object,
+    it: Iterator[T],
+    n: int | None,
+    move: Callable[[T], T] | None,
+    track: _consumed.Tracker | None,
+) -> Iterator[tuple[T, bool]]:
     if n is None:
-        yield from _ahead(holder, it, move)
+        yield from (
+            _ahead(holder, it, move) if track is None else _ahead_tracked(holder, it, move, track)
+        )
         return
     holder.lookahead = 0
     # Past the end of an iterable data set its code runs (the samples a dropped last batch
@@ -105,15 +139,26 @@ def marked(
         if i < n or (trusted and i == n):
             yield (item if move is None else move(item)), i == n
             continue
+        # The loader's place after the counted last, before the check takes it further.
+        state = track.take() if track is not None else None
         try:  # the counted last: past the end nothing is drawn
             following = next(it)
         except StopIteration:
+            if track is not None:
+                track.hold(state)
             yield (item if move is None else move(item)), True
             return
         # The length was not kept: more batches come, looked ahead from here.
         holder.lookahead = 1
+        if track is not None:
+            track.hold(state)
         yield (item if move is None else move(item)), False
-        yield from _ahead(holder, itertools.chain([following], it), move)
+        rest = itertools.chain([following], it)
+        yield from (
+            _ahead(holder, rest, move)
+            if track is None
+            else _ahead_tracked(holder, rest, move, track)
+        )
         return
 
 
@@ -134,4 +179,28 @@ def _ahead(
             yield cur, True
             return
         holder.lookahead = 1
+        yield cur, False
+
+
+def _ahead_tracked(
+    holder: Holder, it: Iterator[T], move: Callable[[T], T] | None, track: _consumed.Tracker
+) -> Iterator[tuple[T, bool]]:
+    """``_ahead`` for a loader a Checkpointer saves: its state recorded before each batch is
+    taken ahead (what a save holds while the loop has the batch before it)."""
+    try:
+        nxt = next(it) if move is None else move(next(it))
+    except StopIteration:
+        return
+    while True:
+        cur = nxt
+        state = track.take()
+        try:
+            nxt = next(it) if move is None else move(next(it))
+        except StopIteration:
+            holder.lookahead = 0
+            track.hold(state)
+            yield cur, True
+            return
+        holder.lookahead = 1
+        track.hold(state)
         yield cur, False

@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .._data import _passes
+
 
 class Owner(Protocol):
     """What a step that opens micro-steps exposes: its model and its optimizer."""
@@ -43,7 +45,9 @@ def _ids(owner: Owner) -> tuple[frozenset[int], frozenset[int]]:
 def open_(owner: Owner) -> None:
     """Record ``owner``'s micro-step as open, refusing an overlap first.
 
-    With no other micro-step open (the usual case) this is one check and one set insert.
+    With no other micro-step open (the usual case) this is one check and one set insert,
+    and one more: a micro-step that opens consumes the batch a plain pass over a
+    ``distributed.loader`` handed out, which makes that pass count (``_data._passes``).
     """
     if _OPEN:
         mine = _ids(owner)
@@ -57,6 +61,8 @@ def open_(owner: Owner) -> None:
                     "both parameter groups to one optimizer (per-group lr and weight decay are "
                     "kept), or enter the steps one after the other on separate models"
                 )
+    if _passes.pending:  # before the micro-step changes anything: a save may wait there
+        _passes.consumed()
     _OPEN.add(owner)
 
 

@@ -159,12 +159,15 @@ def test_ddp_is_unwrapped(process_group: None) -> None:
 
 
 def test_a_distributed_loader_is_left_where_it_was() -> None:
-    """A loopkit loader is evaluated whole without moving its epoch; mid-pass it is refused."""
+    """A loopkit loader is evaluated whole without moving its epoch (after a peek too);
+    in the middle of a training pass it is refused."""
     model = nn.Linear(4, 1)
     loader = distributed.loader(_data(), batch_size=2, shuffle=False, num_workers=0)
     result = loopkit.evaluate(model, loader, per_sample)
     assert result.samples == 7 and loader.epoch == 0
-    it = iter(loader)
+    next(iter(loader))  # a peek: no training pass
+    assert loopkit.evaluate(model, loader, per_sample).samples == 7 and loader.epoch == 0
+    it = loader.training_pass()
     next(it)
     with pytest.raises(RuntimeError, match="middle of a pass"):
         loopkit.evaluate(model, loader, per_sample)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from test_preload import Boxes, Images
 from torch.utils.data import DistributedSampler
 
@@ -70,7 +72,7 @@ def test_a_collate_fn_draws_under_the_key_and_only_it_reseeds(
     assert len(list(distributed.loader(cache, batch_size=8, seed=1))) == 7
     assert calls == []
     loader = distributed.loader(cache, batch_size=8, seed=1, collate_fn=_noisy)
-    it = iter(loader)
+    it = loader.training_pass()  # consumed by training: its place is the loader's
     main = [next(it) for _ in range(3)]
     state = loader.state_dict()
     main += list(it)
@@ -117,6 +119,80 @@ def test_a_pool_buffer_is_handed_out_again_only_once_nothing_holds_it() -> None:
     x, y = pool(4, 6), pool(4, 6)
     assert (x.data_ptr(), y.data_ptr()) == (a_ptr, b_ptr)  # nothing holds them any more
     assert pool(3, 6).shape == (3, 6)  # another shape: another buffer
+
+
+_KEPT = {
+    "untyped storage": lambda b: b.untyped_storage(),
+    "typed storage": lambda b: b._typed_storage(),
+    "as_strided": lambda b: b.as_strided((2, 3), (6, 1), 1),
+    "slice": lambda b: b[1:],
+    "unfold": lambda b: b.unfold(0, 2, 1),
+    "numpy": lambda b: b.numpy(),
+    "dlpack capsule": lambda b: torch.utils.dlpack.to_dlpack(b),
+    "numpy from dlpack": lambda b: np.from_dlpack(b),
+    "set_ on its storage": lambda b: torch.empty(0, dtype=torch.uint8).set_(b.untyped_storage()),
+}
+
+
+@pytest.mark.parametrize("kept", sorted(_KEPT))
+def test_a_pool_buffer_is_not_handed_out_while_anything_can_read_its_storage(kept: str) -> None:
+    """A kept storage object, any view or an array on it holds the buffer; dropped, it returns."""
+    pool = BufferPool()
+    a = pool(4, 6)
+    a_ptr, holder = a.data_ptr(), _KEPT[kept](a)
+    del a
+    b = pool(4, 6)
+    assert b.data_ptr() != a_ptr  # the holder can still read the first buffer
+    del b, holder
+    assert pool(4, 6).data_ptr() == a_ptr  # nothing reads it any more
+
+
+def test_a_pool_buffer_shared_with_another_process_is_never_handed_out_again() -> None:
+    """A batch pickled for a torch.multiprocessing queue (its storage moved to shared
+    memory) is dropped by the pool: later buffers are new ones."""
+    pool = BufferPool()
+    a = pool(4, 6)
+    a.fill_(7)
+    ForkingPickler.dumps(a)  # what a torch.multiprocessing queue's feeder thread does
+    shared = a.data_ptr()
+    assert a.is_shared()
+    del a
+    got = [pool(4, 6) for _ in range(3)]
+    assert shared not in {g.data_ptr() for g in got}
+    assert shared not in {held.tensor.data_ptr() for held in pool._held}  # let go of
+
+
+def _receive(batches: Any, got: Any, go: Any, out: Any) -> None:
+    """Another process: receive a batch, say so, read it only once told to."""
+    x = batches.get()
+    got.set()
+    go.wait(30)
+    out.put(x[:, 0, 0, 0].tolist())
+
+
+def test_a_batch_sent_to_another_process_is_never_overwritten(tmp_path: Path) -> None:
+    """The first batch, put on a torch.multiprocessing queue and dropped here, reads the
+    same in the receiving process after the loader made every later batch."""
+    cache = loopkit.preload(Images(64), tmp_path)
+    loader = distributed.loader(cache, batch_size=8, seed=0, shuffle=False)
+    ctx = mp.get_context("fork")
+    batches, out, got, go = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_receive, args=(batches, got, go, out))
+    child.start()
+    try:
+        it = iter(loader)
+        x, _ = next(it)
+        sent = x[:, 0, 0, 0].tolist()
+        batches.put(x)
+        assert got.wait(30)  # pickled and received: the storage is in shared memory now
+        del x
+        later = [b[0][:, 0, 0, 0].tolist() for b in it]
+        go.set()
+        assert out.get(timeout=30) == sent and sent not in later
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
 
 
 @pytest.mark.parametrize("base", ["none", "seeded", "distributed"])

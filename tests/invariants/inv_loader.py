@@ -56,7 +56,7 @@ def make(spec: Spec, workers: int) -> distributed.EpochLoader:
 
 
 def epochs(loader: distributed.EpochLoader, n: int) -> list[list[torch.Tensor]]:
-    return [list(loader) for _ in range(n)]
+    return [list(loader.training_pass()) for _ in range(n)]  # passes training consumes
 
 
 def expected_indices(spec: Spec, world: int, rank: int, epoch: int) -> list[int] | None:
@@ -112,7 +112,7 @@ def check(spec: Spec, world: int, rank: int) -> tuple[list[str], list[list[int]]
     p = spec["resume_at"] % max(len(runs[1]), 1)  # (a finished pass resumes at the next one)
     partial = make(spec, first)
     partial.set_epoch(1)
-    it = iter(partial)
+    it = partial.training_pass()
     for _ in range(p):
         next(it)
     state = partial.state_dict()
