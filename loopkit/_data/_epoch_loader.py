@@ -57,12 +57,10 @@ class EpochLoader:
         # a Checkpointer defers an end-of-epoch save to here, after the epoch's own code.
         self._before_next_pass: list[Callable[[], object]] = []
         self._recent: list[Pass] = []  # uncounted passes started since one counted
+        self._trained = False  # training consumed one of its passes once (``_passes``)
         self._open: Pass | None = None  # the latest counted pass
         self._uncounted: Pass | None = None  # the latest uncounted pass whose draw is undone
-        # Persistent workers stopped as this loader goes, before the garbage collector can
-        # take it: collected with a Checkpointer (a reference cycle), the DataLoader's own
-        # iterator would find its queues closed and wait 5 s per worker for them to time out.
-        weakref.finalize(self, _stop_workers, loader)
+        weakref.finalize(self, _stop_workers, loader)  # see _stop_workers
 
     @property
     def epoch(self) -> int:
@@ -94,7 +92,7 @@ class EpochLoader:
         this = Pass(self, p.next_epoch, start, counted)
         if counted:
             self._run_before_next_pass()
-            self._recent = []
+            self._recent, self._trained = [], True
         else:
             self._recent = [*self._recent[-7:], this]  # (a few: passes opened and left)
             if self._before_next_pass:  # a save waits: it holds the RNGs the pass starts with
@@ -142,6 +140,8 @@ class EpochLoader:
                 else:
                     this.handed_out()
                 yield batch
+            if this.ran_out(self):  # a pass read whole where nothing trains: an epoch
+                self._count(this)
         finally:
             this.ended = True
 
@@ -293,7 +293,10 @@ class EpochLoader:
 
 
 def _stop_workers(loader: DataLoader[Any]) -> None:
-    """Shut a DataLoader's persistent workers down while its iterator is whole."""
+    """Shut a DataLoader's persistent workers down while its iterator is whole: as the
+    EpochLoader goes, before the garbage collector can take them (collected with a
+    Checkpointer, a reference cycle, the iterator would find its queues closed and wait
+    5 s per worker for them to time out)."""
     it, loader._iterator = loader._iterator, None
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:

@@ -44,6 +44,7 @@ class Owner(Protocol):
     """What a pass reads and tells of its loader (an ``EpochLoader``)."""
 
     _recent: list[Pass]  # the passes started since one last counted (or the place was set)
+    _trained: bool  # training consumed a batch of it (or a training pass started) once
 
     def _counted_pass_open(self) -> bool: ...
     def _count(self, this: Pass) -> None: ...
@@ -54,8 +55,8 @@ class Pass:
     a batch (a step reads it to notice a window that spans two passes of one loader)."""
 
     __slots__ = (
-        "after", "before", "counted", "ended", "epoch", "handed", "loader", "loader_id",
-        "queued", "rng", "start",
+        "after", "before", "counted", "ended", "epoch", "grad", "handed", "loader",
+        "loader_id", "queued", "rng", "start",
     )  # fmt: skip
     latest: ClassVar[Pass | None] = None
 
@@ -68,6 +69,7 @@ class Pass:
         self.ended = False  # ran out, or its iterator was closed
         self.queued = False  # in ``pending``
         self.rng: RngStates | None = None  # as it started, while a save waits for it to count
+        self.grad = torch.is_grad_enabled()  # False: an evaluation's (under no_grad)
         self.before: torch.Tensor | None = None  # the loader's generator as the pass began
         self.after: torch.Tensor | None = None  # ... and once its DataLoader iterator drew
 
@@ -88,6 +90,20 @@ class Pass:
         if self.ended:  # run out before anything was consumed: only as the latest pass
             return not later
         return all(p.ended for p in later)  # passes started in it (peeks) were left
+
+    def ran_out(self, loader: Owner) -> bool:
+        """The pass handed out its last batch: whether it counts now, uncounted. Only where
+        nothing ever trained on the loader (a loop reading the data only, or updating with
+        no optimizer), read with gradients on (not an evaluation) as its latest pass."""
+        recent = loader._recent
+        return (
+            not self.counted
+            and not loader._trained
+            and self.grad
+            and bool(recent)
+            and recent[-1] is self
+            and not loader._counted_pass_open()
+        )
 
 
 RngStates = tuple[Any, Any, torch.Tensor, "list[torch.Tensor] | None"]
@@ -135,8 +151,10 @@ def consumed() -> None:
     passes = list(pending)
     for p in passes:
         loader = p.loader()
-        if loader is not None and p.may_count(loader):
-            loader._count(p)  # runs what waits for the next pass; may raise (then retried)
+        if loader is not None:
+            loader._trained = True
+            if p.may_count(loader):
+                loader._count(p)  # runs what waits for the next pass; may raise (then retried)
         p.queued = False
         pending.remove(p)
     _unhook_optimizers()

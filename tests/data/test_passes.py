@@ -271,3 +271,18 @@ def test_a_save_waiting_for_a_plain_pass_holds_the_rngs_it_started_with(tmp_path
     w, rest = run(tmp_path / "run", None)
     assert rest == ref_seen[len(ref_seen) - len(rest) :] and len(rest) == 12
     assert_bit_equal(w, ref_w)
+
+
+def test_passes_read_whole_where_nothing_trains_are_epochs() -> None:
+    """A loop reading the data only (or updating with no optimizer): each pass read whole is
+    an epoch of its own order; an evaluation under no_grad before training is not, nor a peek."""
+    loader = _loader()
+    next(iter(loader))  # a peek
+    with torch.no_grad():
+        for _ in loader:  # an evaluation pass before training
+            pass
+    assert loader.epoch == 0
+    orders = [[x[:, 0].tolist() for x, _ in loader] for _ in range(3)]
+    expected = _loader()
+    assert loader.epoch == 3
+    assert orders == [[x[:, 0].tolist() for x, _ in expected.training_pass()] for _ in range(3)]
