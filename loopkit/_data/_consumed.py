@@ -83,26 +83,20 @@ def tracker(source: object) -> Tracker | None:
 class Tracker:
     """Records a pass's states for ``state_of``; made by ``tracker``, called by iterate."""
 
-    __slots__ = ("_copy", "_first", "_held", "_key", "_read")
+    __slots__ = ("_held", "_key", "_read")
 
     def __init__(self, source: object, read: Callable[[], object]) -> None:
         self._key = id(source)
         self._read = read
-        self._copy = False
         self._held: _Held | None = None
-        # Before the pass's first batch: compared with the first record, to tell whether
-        # the loader hands out its live state (later batches would change what was kept).
-        self._first: object = read()
 
     def take(self) -> object:
         """The loader's state now, before a batch is taken ahead of the loop: what a save
-        holds once that batch is taken and the loop has the one before it (one
-        ``state_dict()`` call per batch; a copy too (``_copied``) where the loader's states share
-        containers, which a later batch would change)."""
-        state = self._read()
-        if self._first is not _OPEN:
-            self._copy, self._first = _shares_containers(self._first, state), _OPEN
-        return _copied(state) if self._copy else state
+        holds once that batch is taken and the loop has the one before it. One
+        ``state_dict()`` call and a copy (``_copied``) per batch: a loader may hand out its
+        live state, or containers of it, which the batch taken next changes (whether it
+        does cannot be told from a few calls: one may rebuild its dict as a pass starts)."""
+        return _copied(self._read())
 
     def hold(self, state: object) -> None:
         """The batch was taken ahead and the loop is handed the one before it: a save now
@@ -187,41 +181,3 @@ def _copied(value: object) -> object:
     if type(value) is torch.Tensor and not value.requires_grad:
         return value.clone()
     return copy.deepcopy(value)
-
-
-def _shares_containers(a: object, b: object) -> bool:
-    """Whether state ``b`` holds a mutable object (dict, list, tensor, ...) that ``a`` holds:
-    a loader that hands out its live state, which a later batch would change."""
-    seen: set[int] = set()
-    _collect(a, seen)
-    return _any_in(b, seen)
-
-
-def _collect(value: object, into: set[int]) -> None:
-    if isinstance(value, tuple):
-        for v in value:
-            _collect(v, into)
-        return
-    if isinstance(value, _IMMUTABLE):
-        return
-    into.add(id(value))
-    if isinstance(value, Mapping):
-        for v in value.values():
-            _collect(v, into)
-    elif isinstance(value, list):
-        for v in value:
-            _collect(v, into)
-
-
-def _any_in(value: object, ids: set[int]) -> bool:
-    if isinstance(value, tuple):
-        return any(_any_in(v, ids) for v in value)
-    if isinstance(value, _IMMUTABLE):
-        return False
-    if id(value) in ids:
-        return True
-    if isinstance(value, Mapping):
-        return any(_any_in(v, ids) for v in value.values())
-    if isinstance(value, list):
-        return any(_any_in(v, ids) for v in value)
-    return False

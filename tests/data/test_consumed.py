@@ -81,6 +81,15 @@ class SizedDuckLoader(DuckLoader):
         return N // 4
 
 
+class RebuiltDuckLoader(DuckLoader):
+    """Its live state dict made afresh as each pass hands out its first batch (nothing of
+    it is shared with the state read before the pass)."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self.place = dict(self.place)
+        yield from super().__iter__()
+
+
 class Epochs:
     """The user's own epoch count, saved with the run (a loader of its own does not count)."""
 
@@ -109,6 +118,7 @@ LOADERS: dict[str, Callable[[], Any]] = {
     "duck": DuckLoader,
     "duck sized": SizedDuckLoader,
     "duck live state": lambda: DuckLoader(live=True),
+    "duck live state rebuilt": lambda: RebuiltDuckLoader(live=True),
     "distributed.loader": lambda: distributed.loader(
         Samples(), batch_size=4, seed=3, num_workers=0
     ),
