@@ -45,6 +45,9 @@ _WHERE: dict[str, str] = {
     "evaluate": "_control._evaluate",
     "Evaluation": "_control._evaluate",
     "preload": "_data._preload",
+    "replayed": "_stream._replay",
+    "shuffle_buffer": "_stream._shuffle_buffer",
+    "stream_shards": "_stream._shards",
     "Preloaded": "_data._preload",
     "no_sync": "_parallel._grad_sync",
     "count_host_syncs": "_observe._host_syncs",
@@ -123,6 +126,9 @@ if TYPE_CHECKING:  # what the names above are, for type checkers and IDEs
     from ._step._group import steps as steps
     from ._step._lr_scale import scale_lr as scale_lr
     from ._step._probe import probe_micro_batch as probe_micro_batch
+    from ._stream._replay import replayed as replayed
+    from ._stream._shards import stream_shards as stream_shards
+    from ._stream._shuffle_buffer import shuffle_buffer as shuffle_buffer
     from ._types import DeviceLike as DeviceLike
     from ._types import Precision as Precision
     from ._types import Scheduler as Scheduler

@@ -197,3 +197,31 @@ class StreamWithLen(torch.utils.data.IterableDataset[int]):
 
     def __len__(self) -> int:
         return 8
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a lost node would.
+
+    torchrun starts its workers in sessions of their own, so killing its process group
+    alone would leave them training on.
+    """
+    import contextlib
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # Fields after the command name (which may hold spaces): state, ppid, ...
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)

@@ -207,3 +207,30 @@ def test_compile_benchmark_quick_counts_graphs_breaks_and_recompiles() -> None:
     assert rows["loopkit + compile"]["recompiles_while_timed"] == 0
     assert rows["loopkit + compile_optimizer"]["recompiles_while_timed"] == 0
     assert all(r["us_per_micro_step"] > 0 for r in rows.values())
+
+
+def test_streaming_benchmark_quick_rows() -> None:
+    """streaming.py --quick: each resume starts at the batch the saving run read next; replayed
+    decodes the pass again up to the saved place where the stateful loader decodes at most two
+    shards per worker wherever it saved; a shuffle buffer's saved state grows by at least its
+    samples' bytes (decoded counts and bytes asserted, times only printed)."""
+    pytest.importorskip("torchdata")
+    result: Any = _json("benchmarks/streaming.py", "--quick")
+    resume = result["resume"]
+    assert {(r["workers"], r["position_percent"]) for r in resume} == {
+        (w, p) for w in (0, 2) for p in (10, 50, 90)
+    }
+    for r in resume:
+        assert r["same_next_batch"], r
+        assert r["stateful_s"] > 0 and r["replayed_s"] > 0
+        assert r["replayed_decoded"] >= 8 * r["position"]  # batches of 8, read again
+        assert r["stateful_decoded"] <= 2 * r["shard_samples"] * max(r["workers"], 1)
+        assert r["replayed_line"].startswith(f"read {r['position']} batches again")
+        if r["position_percent"] == 90:
+            assert r["replayed_decoded"] > 2 * r["stateful_decoded"]
+    rows = {(r["sample"], r["workers"], r["buffer"]): r for r in result["shuffle_buffer"]}
+    assert set(rows) == {("tensor", w, b) for w in (0, 2) for b in (0, 100, 1000)}
+    for key, r in rows.items():
+        assert r["us_per_batch"] > 0 and r["us_per_batch_iterate"] > 0
+        assert r["buffered_bytes"] == 1024 * r["buffer"] * max(r["workers"], 1)
+        assert r["state_growth_bytes"] >= r["buffered_bytes"], key

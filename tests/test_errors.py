@@ -718,6 +718,16 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("evaluate loader that drops", lambda t: loopkit.evaluate(
         mlp(), torch.utils.data.DataLoader(torch.ones(5, 8), batch_size=2, drop_last=True),
         lambda m, b: {"x": m(b)[:, 0]}), ValueError, "drop_last=False"),
+    ("Checkpointer loader= without a state", lambda t: loopkit.Checkpointer(
+        t, model=mlp(), loader=torch.utils.data.DataLoader([1, 2])), TypeError,
+     "loopkit.replayed(loader)"),
+    ("replayed of a stateful loader", lambda t: loopkit.replayed(
+        loopkit.replayed(torch.utils.data.DataLoader([1, 2]))), TypeError,
+     "give it to the Checkpointer as it is"),
+    ("shuffle_buffer of a stateless source", lambda t: loopkit.shuffle_buffer(range(4), 2),
+     TypeError, "use a source that has them"),
+    ("stream_shards of one path", lambda t: loopkit.stream_shards("a.jsonl", open), TypeError,
+     "a list of paths"),
 ]  # fmt: skip
 
 
@@ -786,6 +796,9 @@ def test_catalogue_covers_every_public_entry_point() -> None:
         "evaluate": "evaluate",
         "preload": "preload",
         "export_weights": "export_weights",
+        "replayed": "replayed",
+        "shuffle_buffer": "shuffle_buffer",
+        "stream_shards": "stream_shards",
     }
     for name in loopkit.__all__:
         if name not in takes_no_input:

@@ -126,7 +126,7 @@ def test_every_private_module_is_a_foundation_or_in_a_capability_folder() -> Non
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == {
         "_step", "_parallel", "_data", "_logging", "_observe", "_checkpoint", "_control",
-        "_recompute", "_ema", "_compile", "lint",
+        "_recompute", "_ema", "_compile", "_stream", "lint",
     }  # fmt: skip
 
 

@@ -118,10 +118,26 @@ class ExtraStates:
                     "object that has them"
                 )
         self._objects = dict(extra)
+        self._refuse_loaders()
         for obj in self._objects.values():
             _consumed.watch(obj)  # iterate records its state only if it reads this object
 
+    def _refuse_loaders(self) -> None:
+        """A loader's place differs by rank; ``extra=`` saves one state for all (rank 0's)."""
+        world = _ranks.world()[1]
+        if world == 1:
+            return
+        for name, obj in self._objects.items():
+            if _is_data(obj):
+                raise TypeError(
+                    f"extra[{name!r}] is a data loader ({type(obj).__name__}): with {world} "
+                    "processes each rank reads its own part of the data, and extra= saves one "
+                    "state for every rank (rank 0's), so the other ranks would resume at rank "
+                    f"0's place. Pass it as Checkpointer(loader=...), which saves each rank's"
+                )
+
     def state_dict(self) -> dict[str, object]:
+        self._refuse_loaders()  # a process group set up after the Checkpointer was built
         return {
             name: _consumed.state_of(self._objects[name], piece.state_dict)
             for name, piece in self.pieces.items()
@@ -141,13 +157,30 @@ class ExtraStates:
         return {name: piece.snapshot() for name, piece in self.pieces.items()}
 
     def load_state_dict(self, saved: Mapping[str, object]) -> None:
+        from .._stream._resumed_pass import quiet_first_iterator
+
         for name, piece in self.pieces.items():
             piece.load_state_dict(saved[name])
+            if _is_data(self._objects[name]):
+                quiet_first_iterator(self._objects[name])  # its pass drew before the save
 
     def restore(self, snapshot: Mapping[str, object]) -> None:
         # All of them: putting back one that was not loaded yet loads its own state again.
         for name, piece in reversed(self.pieces.items()):
             piece.restore(snapshot[name])
+
+
+def _is_data(obj: object) -> bool:
+    """Whether ``obj`` is a loader or a streamed data set whose place differs by rank (a
+    ``distributed.loader``'s state is the job's, the same on every rank)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from .._data._epoch_loader import EpochLoader
+    from .._stream._replay import replayed
+
+    if isinstance(obj, EpochLoader):
+        return False
+    return isinstance(obj, (DataLoader, IterableDataset, replayed))
 
 
 def per_rank(piece: StatePiece) -> bool:

@@ -22,6 +22,7 @@ from ._amp_state import AmpState
 from ._contract import ExtraStates, StatePiece, UserState, expect, need
 from ._rng import RngStates
 from ._step_state import StepsState, StepState
+from ._stream_state import StreamState, stream_loader
 
 
 class ModelState:
@@ -274,19 +275,12 @@ def pieces_for(
         if not isinstance(amp, autocast_step):
             raise TypeError(f"amp must be a loopkit.autocast_step, got {amp!r}")
         pieces["amp"] = AmpState(amp)
-    if loader is not None:
-        if not isinstance(loader, EpochLoader):
-            raise TypeError(
-                "loader must be a loopkit.distributed.loader(...) (it can skip to the batch "
-                "where the run stopped and draws each batch's random numbers from a key a "
-                f"resume reproduces), got {type(loader).__name__}. It takes your dataset and "
-                "every DataLoader argument but the sampler (collate_fn, prefetch_factor, ...); "
-                "with a DataLoader of your own, leave loader= out: the RNG states are restored, "
-                "the position in the epoch and workers' random streams are not"
-            )
+    if isinstance(loader, EpochLoader):
         clock = stepper.clock if stepper is not None else None
         # The batches iterate() holds back are not consumed: a resume hands them out again.
         pieces["loader"] = LoaderState(loader, lambda: clock.lookahead if clock is not None else 0)
+    elif loader is not None:
+        pieces["loader"] = StreamState(stream_loader(loader))
     pieces["extra"] = ExtraStates(extra)
     pieces["rng"] = RngStates()
     return pieces

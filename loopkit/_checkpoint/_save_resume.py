@@ -53,12 +53,17 @@ class Checkpointer:
     member's); a resume in another precision is refused.
 
     Checkpoints are named by the step's update count, or (without ``step=``) by the
-    Checkpointer's own count of saves, which carries over a resume. With ``loader=``, a
-    ``maybe_save`` on the window that ends a pass of the loader is deferred to the start of
-    the next pass, so it holds what the epoch's code did after its last window (a per-epoch
-    ``scheduler.step()``, an evaluation, the RNG it used); a ``save()`` (or a stop's) there,
-    inside the loop over the pass, says that code is still to run, and a resume runs it. Call
-    ``save_if_needed()`` after the loop to keep the final state (``epochs()`` does).
+    Checkpointer's own count of saves, which carries over a resume.
+
+    ``loader=`` saves the data's place. A ``loopkit.distributed.loader``: its epoch and
+    position (``epochs()`` follows its epochs); a ``maybe_save`` on the window that ends a
+    pass is deferred to the next pass's start, so it holds what the epoch's code did after
+    (a per-epoch ``scheduler.step()``, an evaluation); a ``save()`` there says that code is
+    still to run, and a resume runs it. Call ``save_if_needed()`` after the loop
+    (``epochs()`` does). Or any loader with ``state_dict()`` (torchdata's
+    ``StatefulDataLoader``, ``loopkit.replayed(loader)``): each rank's place after the
+    batches the loop consumed (docs/streaming.md); stop it with ``until(max_updates=)``. A
+    loader with no state is refused, as is one in ``extra=`` with several processes.
 
     ``async_save=True``: a save copies the state to host memory and returns; a thread
     writes it (a sharded model's through DCP's ``async_save``) and renames it once complete.
@@ -78,7 +83,7 @@ class Checkpointer:
         scheduler: Stateful | None = None,
         step: _compose.step | _group.steps | _accumulate.accumulate | None = None,
         amp: autocast_step | None = None,
-        loader: EpochLoader | None = None,
+        loader: EpochLoader | Stateful | None = None,
         extra: Mapping[str, Stateful] | None = None,
         keep: int = 3,
         async_save: bool = False,
@@ -95,13 +100,17 @@ class Checkpointer:
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         self.directory = Path(directory)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.step, self.amp, self.loader, self.extra = step, amp, loader, extra
+        self.step, self.amp, self.extra = step, amp, extra
+        # The epoch machinery (ckpt.epochs, a save deferred to the next pass) follows a
+        # distributed.loader; a loader that saves its own place (a stream) is only saved.
+        self.loader = loader if isinstance(loader, EpochLoader) else None
+        self.stream_loader = None if isinstance(loader, EpochLoader) else loader
         self.keep = keep
         self.last_saved_update: int | None = None
         self._saved_windows: int | None = None  # windows closed at the last save or resume
         self._saves = 0  # checkpoints written in this run's lineage (names them without step=)
-        self._deferred = DeferredSave(loader, lambda: _write_now(self, before_code=False))
-        self._epoch_code = EpochCode(loader)
+        self._deferred = DeferredSave(self.loader, lambda: _write_now(self, before_code=False))
+        self._epoch_code = EpochCode(self.loader)
         stepper = self.pieces.get("step")
         self._acc = stepper.clock if isinstance(stepper, (StepState, StepsState)) else None
         self._used = False  # a save or a resume happened: the set of pieces is fixed

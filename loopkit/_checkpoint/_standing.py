@@ -86,6 +86,8 @@ class Checkpointer(Protocol):
     @property
     def loader(self) -> EpochLoader | None: ...
     @property
+    def stream_loader(self) -> object: ...
+    @property
     def step(self) -> object: ...
     @property
     def clock(self) -> Clock | None: ...
@@ -232,6 +234,14 @@ def epochs(ckpt: Checkpointer, total: object) -> Iterator[int]:
     if not is_int_at_least(total, 1):
         raise ValueError(f"epochs(total) takes the run's number of epochs, an int >= 1, got "
                          f"{total!r}")  # fmt: skip
+    if ckpt.loader is None and ckpt.stream_loader is not None:
+        raise ValueError(
+            f"ckpt.epochs(E) follows the epochs of a loopkit.distributed.loader; the "
+            f"Checkpointer's loader= ({type(ckpt.stream_loader).__name__}) saves its place in "
+            "its stream but has no epoch count loopkit can follow: stop the run with "
+            "loopkit.until(step, max_updates=N) (a stream's usual measure), or read several epochs "
+            "in one pass (passes= of loopkit.stream_shards or loopkit.shuffle_buffer)"
+        )
     if ckpt.loader is None:
         raise ValueError(
             "ckpt.epochs(E) follows the epochs of the Checkpointer's loader=, which this one "

@@ -345,6 +345,13 @@ def _check_objects(early_stop: object, checkpointer: object, timer: object, cloc
 
 
 def _check_epochs_loader(loader: object, ckpt: Checkpointer | None) -> None:
+    if loader is not None and ckpt is not None and ckpt.stream_loader is loader:
+        raise TypeError(
+            "epochs(loader) follows a loopkit.distributed.loader's epochs; this loader "
+            f"({type(loader).__name__}) saves its place in its stream but counts no epochs: "
+            "stop the run with until(max_updates=N), or read several epochs in one pass "
+            "(passes= of loopkit.stream_shards or loopkit.shuffle_buffer)"
+        )
     if loader is not None and ckpt is not None and ckpt.loader is not loader:
         raise ValueError(
             "epochs(loader) follows this loader's epochs, but the Checkpointer does not "

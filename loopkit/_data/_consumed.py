@@ -125,7 +125,12 @@ class Tracker:
 
 
 def state_of(obj: object, own: Callable[[], object]) -> object:
-    """What a save holds of ``obj``, whose own state ``own()`` gives."""
+    """What a save holds of ``obj``, whose own state ``own()`` gives (in plain containers: a
+    checkpoint is read back with ``weights_only``)."""
+    return _plain(_state_of(obj, own))
+
+
+def _state_of(obj: object, own: Callable[[], object]) -> object:
     held = _held.get(id(obj))
     if held is None:
         return own()
@@ -136,6 +141,20 @@ def state_of(obj: object, own: Callable[[], object]) -> object:
         return held.state
     _held.pop(id(obj), None)  # moved since the loop was left: its own state is the truth
     return now
+
+
+def _plain(value: object) -> object:
+    """``value`` with each ``Kept`` a tuple (the containers holding one rebuilt, no copy of
+    the rest)."""
+    if isinstance(value, Kept):
+        return tuple(value)
+    if type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def same_state(a: object, b: object) -> bool:
@@ -164,7 +183,14 @@ def same_state(a: object, b: object) -> bool:
         return False
 
 
-_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), frozenset, range)
+class Kept(tuple):  # type: ignore[type-arg]
+    """A part of a state its owner never changes once handed out (a shuffle buffer's slots,
+    copied as it is taken): kept as it is by ``_copied``, with no copy of what it holds."""
+
+    __slots__ = ()
+
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), frozenset, range, Kept)
 
 
 def _copied(value: object) -> object:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEEP, ROOT, launch_env
+from helpers import DEEP, ROOT, kill_tree, launch_env
 
 import loopkit
 
@@ -68,31 +68,6 @@ def _start(cmd: list[str]) -> tuple[subprocess.Popen[str], list[str], threading.
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return proc, lines, reader
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants at once, as a lost node would.
-
-    torchrun starts its workers in sessions of their own, so killing its process group
-    alone would leave them training on.
-    """
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # Fields after the command name (which may hold spaces): state, ppid, ...
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
 
 
 def _run(cmd: list[str]) -> None:
@@ -139,7 +114,7 @@ def _kill_ten_times(
             time.sleep(0.001)
         if proc.poll() is not None:
             pytest.fail(f"the run finished after only {kill} kills: make it longer")
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         proc.wait(timeout=60)
         reader.join(timeout=60)  # what the run printed before it died
         mid_save += during_save and saving()

@@ -1,0 +1,1 @@
+"""Streamed data resumed exactly: shuffle_buffer, stream_shards, replayed."""

@@ -1,0 +1,67 @@
+"""A loaded loader's first iterator draws nothing from this process's RNG.
+
+torchdata's ``StatefulDataLoader`` (like ``DataLoader``) draws its workers' base seed from
+the global torch RNG (or its ``generator=``) each time it makes an iterator; loading a state
+makes its next iterator the loaded pass's, and that iterator then sets the saved seeds over
+the drawn ones. The run that saved had drawn for that pass before the save (its RNG states
+in the checkpoint hold the draw), so the resumed run's draw would be one too many: dropout
+and noise after a resume would differ from the uninterrupted run's. ``quiet_first_iterator``
+makes the loaded pass's iterator with the RNG states put back; a pass after it draws as
+usual (a loaded pass that had ended is followed at once by a new pass, which draws, as the
+run that saved would have).
+
+The hook is an attribute of the loader object itself, removed by its first use: its class,
+``type()`` and everything else stay the loader's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_HOOK = "_get_iterator"
+
+
+def quiet_first_iterator(loader: object, then: Callable[[], object] | None = None) -> None:
+    """The next iterator ``loader`` makes (the loaded pass's) leaves the RNG states as they
+    were; ``then`` runs once it is made. Only a loader that takes a loaded state into its
+    next iterator (torchdata's ``next_iter_state``, made in ``_get_iterator``)."""
+    cls = type(loader)
+    if not (callable(getattr(cls, _HOOK, None)) and hasattr(loader, "next_iter_state")):
+        return
+    undo(loader)
+    object.__setattr__(loader, _HOOK, _FirstIterator(loader, then))
+
+
+class _FirstIterator:
+    """The loader's ``_get_iterator`` for its loaded pass (an attribute of the loader object,
+    picklable with it, removed by its first call)."""
+
+    __slots__ = ("loader", "then")
+
+    def __init__(self, loader: object, then: Callable[[], object] | None) -> None:
+        self.loader, self.then = loader, then
+
+    def __call__(self) -> Any:
+        loader = self.loader
+        undo(loader)  # once: later passes draw as usual
+        generator = getattr(loader, "generator", None)
+        own = generator.get_state() if isinstance(generator, torch.Generator) else None
+        state = torch.get_rng_state()
+        try:
+            return getattr(type(loader), _HOOK)(loader)
+        finally:
+            torch.set_rng_state(state)
+            if own is not None:
+                generator.set_state(own)  # type: ignore[union-attr]  # a Generator
+            if self.then is not None:
+                self.then()
+
+
+def undo(loader: object) -> None:
+    """Take back a waiting ``quiet_first_iterator`` (a failed resume, a new load)."""
+    hook = vars(loader).get(_HOOK) if hasattr(loader, "__dict__") else None
+    if isinstance(hook, _FirstIterator):
+        object.__delattr__(loader, _HOOK)

@@ -1,0 +1,321 @@
+"""Checkpointer(loader=) with a loader that saves its own place (torchdata's StatefulDataLoader),
+and such a loader under extra=.
+
+Invariant (an independent reference: the same loop run without a stop): stopped after any
+update (mid-pass, or on the window that ends a pass) and resumed, the run trains on the same
+samples and ends with the same weights bit for bit, dropout included: the loaded pass's
+iterator draws nothing from the RNG the checkpoint restored. Loops read through
+``step.iterate`` and plain ``for`` loops; 0 and 2 workers; map-style (shuffled) and iterable
+data sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+import loopkit
+from loopkit import _ranks
+
+StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+UPDATES = 9  # 4 updates a pass (8 batches, accumulate=2): passes end at 4 and 8
+
+
+class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """32 samples with their index as the last feature, and a place of its own in each
+    worker (as an HF stream has)."""
+
+    def __init__(self) -> None:
+        self.next, self.start = 0, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        first, self.start = self.start or worker, 0
+        for i in range(first, 32, workers):
+            self.next = i + workers
+            yield torch.tensor([i / 32, (i % 5) / 5, float(i)]), torch.tensor([float(i % 2)])
+        self.next = 32
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["next"]
+
+
+def _data(kind: str) -> Any:
+    if kind == "stream":
+        return Stream()
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(32, 2, generator=g), torch.arange(32.0)[:, None]], 1)
+    return TensorDataset(x, torch.randn(32, 1, generator=g))
+
+
+@contextlib.contextmanager
+def _closed(loader: Any) -> Iterator[None]:
+    """Stop the loader's workers as the loop is left, not when the garbage collector gets to
+    them: a worker forked for the next run would inherit the old iterator, and its collection
+    there (torchdata's __del__ in a child) stalls the parent's join for seconds."""
+    try:
+        yield
+    finally:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+def _run(
+    directory: Path, kind: str, workers: int, how: str, stop_at: int | None = None
+) -> tuple[list[int], torch.Tensor]:
+    torch.manual_seed(0)
+    loader = StatefulDataLoader(_data(kind), batch_size=4, num_workers=workers,
+                                shuffle=True if kind == "map" else None)  # fmt: skip
+    net = nn.Sequential(nn.Linear(2, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = loopkit.step(net, opt, accumulate=2)
+    where = {"extra": {"data": loader}} if how.endswith("extra") else {"loader": loader}
+    ckpt = loopkit.Checkpointer(directory, model=net, optimizer=opt, step=step, **where)
+    ckpt.resume()
+    seen: list[int] = []
+    while step.updates < UPDATES:
+        # A pass left mid-way is closed at once (its workers stop now, not when collected).
+        batches = step.iterate(loader) if how.startswith("iterate") else iter(loader)
+        with _closed(loader):
+            for x, y in batches:
+                seen += x[:, 2].long().tolist()
+                with step as s:
+                    s.backward(nn.functional.mse_loss(net(x[:, :2]), y))
+                if step.updates == stop_at and step.updated:
+                    ckpt.save()
+                    return seen, net[0].weight.detach().clone()
+                if step.updates == UPDATES:
+                    break
+    return seen, net[0].weight.detach().clone()
+
+
+@pytest.mark.parametrize("how", ["iterate", "plain", "iterate-extra"])
+@pytest.mark.parametrize(
+    ("kind", "workers"), [("stream", 0), ("stream", 2), ("map", 0), ("map", 2)]
+)
+@pytest.mark.parametrize("stop_at", [3, 4])
+def test_a_stopped_run_resumes_to_the_uninterrupted_weights(
+    tmp_path: Path, how: str, kind: str, workers: int, stop_at: int
+) -> None:
+    """Stopped mid-pass (3) or on the pass's last window (4), resumed: same samples, same
+    weights bit for bit (the model has dropout: the RNG stream carries over too)."""
+    whole, w_whole = _run(tmp_path / "a", kind, workers, how)
+    head, _ = _run(tmp_path / "b", kind, workers, how, stop_at)
+    tail, w_tail = _run(tmp_path / "b", kind, workers, how)
+    assert len(whole) == UPDATES * 8 and head + tail == whole
+    assert torch.equal(w_tail, w_whole)
+
+
+def test_extra_refuses_a_loader_when_ranks_read_their_own_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 2 ranks, extra= (one state for all ranks) refuses a loader and names loader=."""
+    monkeypatch.setattr(_ranks, "world", lambda group=None: (0, 2))
+    loader = StatefulDataLoader(Stream(), batch_size=4)
+    with pytest.raises(TypeError, match=r"Checkpointer\(loader=\.\.\.\)"):
+        loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), extra={"data": loader})
+
+
+def test_epochs_and_a_stateful_non_loader_are_refused(tmp_path: Path) -> None:
+    """ckpt.epochs() needs a distributed.loader's epochs; loader= must be iterable."""
+    ckpt = loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1),
+                                loader=StatefulDataLoader(Stream(), batch_size=4))  # fmt: skip
+    with pytest.raises(ValueError, match="until"):
+        next(iter(ckpt.epochs(2)))
+    with pytest.raises(TypeError, match="must be iterable"):
+        loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=torch.optim.SGD(
+            nn.Linear(2, 1).parameters(), lr=0.1))  # fmt: skip
+
+
+class Tokens:
+    """A streaming library's loader, duck-typed: batches of a token stream and its own place
+    (no DataLoader underneath, as MosaicML's or LitData's loaders carry theirs)."""
+
+    def __init__(self) -> None:
+        self.place, self.start = 0, 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.place, self.start = self.start, 0
+        while self.place < 40:
+            self.place += 1
+            yield torch.arange(self.place * 3, self.place * 3 + 3, dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"place": self.place}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["place"]
+
+
+@pytest.mark.parametrize("stop_at", [1, 7])
+def test_a_duck_typed_streaming_loader_resumes_after_the_batches_consumed(
+    tmp_path: Path, stop_at: int
+) -> None:
+    """A loader that is only iterable with state_dict/load_state_dict, read through iterate
+    (which takes a batch ahead): the resumed run trains on the batches after the last one
+    consumed, none lost, and ends bit for bit."""
+
+    def run(directory: Path, stop: int | None = None) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        loader = Tokens()
+        net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.2), nn.Linear(4, 1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        step = loopkit.step(net, opt, accumulate=2)
+        ckpt = loopkit.Checkpointer(directory, model=net, optimizer=opt, step=step, loader=loader)
+        ckpt.resume()
+        seen = []
+        for batch in step.iterate(loader):
+            seen.append(batch[0].item())
+            with step as s:
+                s.backward(net(batch / 100).pow(2).mean())
+            if step.updated and step.updates == stop:
+                ckpt.save()
+                break
+        return seen, net[0].weight.detach().clone()
+
+    whole, w_whole = run(tmp_path / "a")
+    head, _ = run(tmp_path / "b", stop_at)
+    tail, w_tail = run(tmp_path / "b")
+    assert head + tail == whole and len(whole) == 40
+    assert torch.equal(w_tail, w_whole)
+
+
+def _shuffled(generator: torch.Generator | None = None) -> Any:
+    return StatefulDataLoader(_data("map"), batch_size=4, shuffle=True, generator=generator)
+
+
+def test_a_loaders_own_generator_is_saved(tmp_path: Path) -> None:
+    """StatefulDataLoader(generator=g): the passes after the resumed one have the
+    uninterrupted run's order (g's state is saved and the resumed pass leaves it alone)."""
+
+    def run(directory: Path, stop: int | None = None) -> list[int]:
+        torch.manual_seed(0)
+        loader = _shuffled(torch.Generator().manual_seed(5))
+        ckpt = loopkit.Checkpointer(directory, model=nn.Linear(2, 1), loader=loader)
+        ckpt.resume()
+        seen: list[int] = []
+        for _ in range(3):
+            for x, _y in loader:
+                seen += x[:, 2].long().tolist()
+                if stop is not None and len(seen) == stop:
+                    ckpt.save()
+                    return seen
+        return seen
+
+    whole = run(tmp_path / "a")
+    head = run(tmp_path / "b", stop=12)
+    assert head + run(tmp_path / "b") == whole
+
+
+def test_a_failed_resume_leaves_the_loader_as_it_was(tmp_path: Path) -> None:
+    """A resume that fails after the loader loaded (a later piece refuses its state) puts the
+    loader back: its next pass is a fresh one, its class and RNG draws its own."""
+
+    class Refusing:
+        def __init__(self, version: int) -> None:
+            self.version = version
+
+        def state_dict(self) -> dict[str, int]:
+            return {"version": self.version}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            if state["version"] != self.version:
+                raise ValueError("saved with another configuration")
+
+    def make(version: int) -> tuple[Any, loopkit.Checkpointer]:
+        torch.manual_seed(0)
+        loader = _shuffled()
+        extra = {"meta": Refusing(version)}
+        return loader, loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=loader,
+                                            extra=extra)  # fmt: skip
+
+    loader, ckpt = make(1)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    ckpt.save()
+    loader, ckpt = make(2)
+    with pytest.raises(loopkit.CheckpointError, match="another configuration"):
+        ckpt.resume()
+    got, draw = next(iter(loader))[0], torch.rand(1)
+    fresh, _ = make(2)
+    want, want_draw = next(iter(fresh))[0], torch.rand(1)
+    assert type(loader) is StatefulDataLoader and "_get_iterator" not in vars(loader)
+    assert torch.equal(got, want) and torch.equal(draw, want_draw)
+
+
+def test_a_resumed_loader_keeps_its_type_and_pickles(tmp_path: Path) -> None:
+    """Between a resume and the loaded pass's first batch the loader is still exactly a
+    StatefulDataLoader and can be pickled."""
+    import pickle
+
+    loader = _shuffled()
+    ckpt = loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=loader)
+    it = iter(loader)
+    next(it)
+    ckpt.save()
+    resumed = _shuffled()
+    loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=resumed).resume()
+    assert type(resumed) is StatefulDataLoader
+    pickle.dumps(resumed)
+
+
+def test_an_iterable_data_set_without_a_state_is_refused_as_loader(tmp_path: Path) -> None:
+    """torchdata would re-read such a data set (and read too far on a second resume): refused,
+    naming the data set's state_dict and loopkit.replayed."""
+
+    class Stateless(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(8))
+
+    loader = StatefulDataLoader(Stateless(), batch_size=2)
+    with pytest.raises(TypeError, match=r"without state_dict.*loopkit\.replayed"):
+        loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=loader)
+
+
+def test_extra_keeps_iterable_states_that_are_not_a_ranks_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On 2 ranks extra= still takes a distributed.loader (its state is the job's) and a
+    user's iterable Stateful that is no loader."""
+    monkeypatch.setattr(_ranks, "world", lambda group=None: (0, 2))
+
+    class History(list[float]):
+        def state_dict(self) -> dict[str, list[float]]:
+            return {"losses": list(self)}
+
+        def load_state_dict(self, state: dict[str, list[float]]) -> None:
+            self[:] = state["losses"]
+
+    aux = loopkit.distributed.loader(_data("map"), batch_size=2, seed=0)
+    extra = {"history": History(), "aux": aux}
+    ckpt = loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), extra=extra)
+    assert set(ckpt.pieces["extra"].pieces) == {"history", "aux"}  # type: ignore[attr-defined]
+
+
+def test_a_place_saved_by_other_workers_is_refused_naming_num_workers(tmp_path: Path) -> None:
+    """A state saved by 2 loader workers, resumed into a loader with 1: refused at resume
+    (torchdata would fail at the first batch with a bare assertion), nothing loaded."""
+    loader = StatefulDataLoader(Stream(), batch_size=4, num_workers=2)
+    with _closed(loader):
+        it = iter(loader)
+        next(it), next(it)
+        loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=loader).save()
+    other = StatefulDataLoader(Stream(), batch_size=4, num_workers=1)
+    ckpt = loopkit.Checkpointer(tmp_path, model=nn.Linear(2, 1), loader=other)
+    with pytest.raises(loopkit.CheckpointError, match="num_workers=2"):
+        ckpt.resume()
+    assert other.next_iter_state is None
