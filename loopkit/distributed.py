@@ -13,6 +13,7 @@ from __future__ import annotations
 from ._data._build_loader import default_num_workers, loader
 from ._data._epoch_loader import EpochLoader
 from ._job import DistInfo, info, is_rank_zero, rank_zero_only, setup, teardown
+from ._parallel._materialize import materialize
 from ._parallel._wrap import wrap
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "info",
     "is_rank_zero",
     "loader",
+    "materialize",
     "rank_zero_only",
     "setup",
     "teardown",

@@ -539,9 +539,10 @@ def ema_fsdp2(info: distributed.DistInfo) -> dict[str, Any]:
     }
 
 
-def _sharded_run(root: Any, stop: int | None = None, width: int = 16) -> Any:
+def _sharded_run(root: Any, stop: int | None = None, width: int = 16, **resume: Any) -> Any:
     """An FSDP2 run (each Linear a shard group) with AdamW, a scheduler, an EMA, clipping and
-    a distributed.loader, saved every 3 updates; None if stopped (the process dies there)."""
+    a distributed.loader, saved every 3 updates; None if stopped (the process dies there).
+    ``resume``: what ``ckpt.resume`` is given."""
     torch.manual_seed(0)
     model = distributed.wrap(nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 2)),
                              fsdp=nn.Linear)  # fmt: skip
@@ -554,7 +555,7 @@ def _sharded_run(root: Any, stop: int | None = None, width: int = 16) -> Any:
     loader = distributed.loader(dataset, batch_size=4, seed=0, num_workers=0)
     step = loopkit.step(model, opt, accumulate=2, scheduler=sched, ema=average, clip_grad_norm=1.0)
     ckpt = loopkit.Checkpointer(root, model=model, step=step, loader=loader)
-    ckpt.resume()
+    ckpt.resume(**resume)
     for _ in range(loader.epoch, 2):
         for x, y in step.iterate(loader):
             with step as s:
@@ -589,7 +590,7 @@ def sharded_checkpoint(info: distributed.DistInfo) -> dict[str, Any]:
     )
     _sharded_run(root / "cut", stop=5)
     resumed = _sharded_run(root / "cut")
-    names_cut = sorted(p.name for p in (root / "cut").iterdir())
+    names_cut = sorted(p.name for p in (root / "cut").iterdir() if p.name[:14] != ".loopkit-owner")
     same = all(torch.equal(a, b) for a, b in zip(whole[0], resumed[0], strict=True)) and all(
         torch.equal(a, b) for a, b in zip(whole[1], resumed[1], strict=True)
     )
@@ -633,6 +634,77 @@ def sharded_checkpoint(info: distributed.DistInfo) -> dict[str, Any]:
         "exported": exported_ok,
         "older": older.name, "older_updates": ckpt.step.updates,
     }  # fmt: skip
+
+
+def _damage_sharded(newest: Any, how: str) -> None:
+    """Damage a sharded checkpoint: rank 1's shard file gone (only rank 1 reads it), DCP's
+    metadata overwritten, loop.pt cut short."""
+    if how == "shard_deleted":
+        (newest / "__1_0.distcp").unlink()
+    elif how == "metadata":
+        (newest / ".metadata").write_bytes(b"\x80\x04not metadata" * 8)
+    else:
+        data = (newest / "loop.pt").read_bytes()
+        (newest / "loop.pt").write_bytes(data[: len(data) // 2])
+
+
+@scenario
+def sharded_skip_damaged(info: distributed.DistInfo) -> dict[str, Any]:
+    """FSDP2 on 2 ranks, the newest checkpoint damaged three ways: without the opt-in the
+    error names ckpt.resume(skip_damaged=True); with it every rank resumes the previous one
+    alike (rank 0 warns) and ends bit-identical to a run resumed from it by path. A
+    directory another live job owns is refused on every rank alike, naming it."""
+    import json
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    root = Path(sys.argv[1]) / "skip_damaged"
+    whole = _sharded_run(root / "base")
+    kinds = ("shard_deleted", "metadata", "loop")
+    if info.rank == 0:
+        for kind in (*kinds, "by_path"):
+            shutil.copytree(root / "base", root / kind)
+        for kind in kinds:
+            _damage_sharded(root / kind / "ckpt-0000000008", kind)
+    dist.barrier()
+    by_path = _sharded_run(root / "by_path", path=root / "by_path" / "ckpt-0000000006")
+    found: dict[str, Any] = {"base": sorted(p.name for p in (root / "base").glob("ckpt-*"))}
+    same = [all(torch.equal(a, b) for a, b in zip(whole[0] + whole[1], by_path[0] + by_path[1],
+                                                    strict=True))]  # fmt: skip
+    for kind in kinds:
+        try:
+            _sharded_run(root / kind)  # refused as it resumes, nothing trained
+            found[f"{kind}_refused"] = None
+        except loopkit.CheckpointError as err:
+            found[f"{kind}_refused"] = str(err)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = _sharded_run(root / kind, skip_damaged=True)
+        found[f"{kind}_warned"] = [str(w.message) for w in caught
+                                   if "skip_damaged" in str(w.message)]  # fmt: skip
+        found[f"{kind}_damaged"] = [(p.name, why) for p, why in run[5].damaged]
+        found[f"{kind}_standing"] = run[5].standing
+        pairs = zip(by_path[0] + by_path[1], run[0] + run[1], strict=True)
+        same.append(all(torch.equal(a, b) for a, b in pairs))
+    found["same"] = same
+    # Another job (on another host, alive: touched just now) owns this directory.
+    owned = root / "owned"
+    if info.rank == 0:
+        owned.mkdir()
+        record = {"host": "node-b", "pid": 4242, "started": "2030-01-01 00:00:00 +0000",
+                  "job": None, "restarts": [0, 0], "dir_ino": os.stat(owned).st_ino,
+                  "slurm_job_id": "77", "torchelastic_run_id": None}  # fmt: skip
+        (owned / ".loopkit-owner-0000000001").write_text(json.dumps(record))
+    dist.barrier()
+    try:
+        loopkit.Checkpointer(owned, model=whole[4]).save()
+        found["owned"] = None
+    except loopkit.CheckpointError as err:
+        found["owned"] = str(err)
+    found["owned_left"] = sorted(p.name for p in owned.iterdir())
+    return found
 
 
 @scenario
@@ -837,7 +909,7 @@ def sharded_resave(info: distributed.DistInfo) -> dict[str, Any]:
     for mode, async_save in (("sync", False), ("async", True)):
         root = Path(sys.argv[1]) / "resave" / mode
         run = _resave_run(root, async_save)
-        names = sorted(p.name for p in root.iterdir())
+        names = sorted(p.name for p in root.iterdir() if p.name[:14] != ".loopkit-owner")
         fresh = _resave_run(root, async_save)
         found = {"names": names, "skipped": (run[1].skipped, fresh[1].skipped),
                  "updates": (run[1].updates, fresh[1].updates),
@@ -860,7 +932,9 @@ def sharded_resave(info: distributed.DistInfo) -> dict[str, Any]:
                 signal.signal(signal.SIGXFSZ, handler)
             dist.barrier()
             found["path"] = None if path is None else str(path)
-            found["after"] = sorted(p.name for p in root.iterdir())
+            found["after"] = sorted(
+                p.name for p in root.iterdir() if p.name[:14] != ".loopkit-owner"
+            )
             found["after_same"] = _same_state(run, _resave_run(root, async_save))
         _, older_step, _, older_ckpt = _resave_build(root, async_save)
         older_ckpt.resume(root / "ckpt-0000000002")
@@ -1066,6 +1140,136 @@ def compile_wrap_order(info: distributed.DistInfo) -> dict[str, Any]:
         )
     out["warned"] = [str(w.message) for w in caught if "around its wrapper" in str(w.message)]
     return out
+
+
+@scenario
+def meta_init(info: distributed.DistInfo) -> dict[str, Any]:
+    """A meta-built model sharded and materialized (wrap, by hand, blocks only, DDP), with its
+    own init and with init=: what differs from the CPU build; a resume's reads of the shards."""
+    import sys
+    from pathlib import Path
+
+    import meta_models
+
+    root = Path(sys.argv[1]) / "meta_resume"
+    return {"cases": meta_models.distributed_cases(info.rank),
+            "resume": meta_models.resume_reads(root)}  # fmt: skip
+
+
+@scenario
+def fsdp2_options(info: distributed.DistInfo) -> dict[str, Any]:
+    """wrap's FSDP2 options: each fully_shard call's reshard_after_forward (default, given);
+    mp_policy, offload_policy and a 1-D mesh of the user's train as the hand-sharded model
+    with the same options, bit for bit; a 2-D mesh is HSDP; a mesh of some ranks only, and a
+    reshard size not dividing the shard group, refused before anything changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                             nn.Linear(16, 1))  # fmt: skip
+
+    def resharded(model: nn.Module) -> list[bool]:
+        return [m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                for m in (model[0], model[2], model[4])]  # fmt: skip
+
+    found: dict[str, Any] = {}
+    found["default"] = resharded(distributed.wrap(net(), fsdp=nn.Linear))
+    found["given"] = resharded(distributed.wrap(net(), fsdp=nn.Linear, reshard_after_forward=True))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=False)
+    mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("dp",))
+    ours = distributed.wrap(net(), fsdp=nn.Linear, mesh=mesh, mp_policy=policy,
+                            offload_policy=offload, reshard_after_forward=False)  # fmt: skip
+    theirs = net()
+    for block in (theirs[0], theirs[2], theirs[4], theirs):
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=False)  # fmt: skip
+    weights = []
+    for model in (ours, theirs):
+        step = loopkit.step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), accumulate=2,
+                            clip_grad_norm=0.05)  # fmt: skip
+        for batch in step.iterate(data([4] * 6, seed=80 + info.rank)):
+            with step as s:
+                s.backward(loss_of(model, batch))
+        weights.append([p.full_tensor() for p in model.parameters()])
+    found["same"] = all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+    found["dtype"] = ours[0]._get_fsdp_state()._mp_policy.param_dtype
+    group = ours[0]._get_fsdp_state()._fsdp_param_group
+    found["offloaded"] = all(p.offload_to_cpu for p in group.fsdp_params)
+    square = init_device_mesh("cpu", (1, info.world_size), mesh_dim_names=("rep", "shard"))
+    hsdp = distributed.wrap(net(), fsdp=nn.Linear, mesh=square)
+    found["hsdp"] = [str(p) for p in next(hsdp.parameters()).placements]
+    refused = {}
+    for name, how in (("part", {"mesh": square["rep"]}), ("size", {"reshard_after_forward": 3})):
+        model = net()
+        try:
+            distributed.wrap(model, fsdp=nn.Linear, **how)
+        except ValueError as err:
+            refused[name] = (str(err), all(type(p) is nn.Parameter for p in model.parameters()))
+    found["refused"] = refused
+    return found
+
+
+@scenario
+def own_fully_shard(info: distributed.DistInfo) -> dict[str, Any]:
+    """A model sharded by the user's own fully_shard (a mesh of their own, the last block
+    keeping its parameters) and by FSDP2's replicate: tests/elastic.py's run (accumulate,
+    clipping, EMA, scheduler, Checkpointer) whole and stopped after its save at update 4;
+    a copy of the stopped one resumed here; evaluate and the EMA swapped in after it; the
+    final checkpoint exported into a plain model; the 1-process checkpoint resumed into own
+    shards. The pytest side resumes the stopped fully_shard run on one process."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import elastic
+
+    root = Path(sys.argv[1]) / "own"
+    found: dict[str, Any] = {"root": str(root)}
+    for how in ("fully_shard", "replicate"):
+        found[f"{how}_whole"] = elastic.run(root / f"{how}_whole", own=how)
+        found[f"{how}_cut"] = elastic.run(root / f"{how}_cut", own=how, stop=5)
+        if info.rank == 0:
+            shutil.copytree(root / f"{how}_cut", root / f"{how}_again")
+        dist.barrier()
+        found[f"{how}_resumed"] = elastic.run(root / f"{how}_again", own=how)
+    # Grown: the 1-process checkpoint (conftest.py) resumed into the user's own shards, as
+    # written (world_change has resumed it since: its later checkpoints are left out).
+    if info.rank == 0:
+        later = lambda _, names: [n for n in names if n[:15] > "ckpt-0000000004"]  # noqa: E731
+        shutil.copytree(Path(sys.argv[1]) / "one" / "cut", root / "grown", ignore=later)
+    dist.barrier()
+    found["grown"] = elastic.run(root / "grown", own="fully_shard", reseed=True)
+    # evaluate, then the EMA swapped in, on the resumed final state of the whole run.
+    parts = elastic.build(root / "fully_shard_whole", own="fully_shard")
+    parts.ckpt.resume()
+    samples = elastic.Indexed(13)
+    loader = distributed.loader(torch.utils.data.TensorDataset(samples.x, samples.y),
+                                batch_size=3, shuffle=False, num_workers=0)  # fmt: skip
+
+    def per_sample(m: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": torch.stack([nn.functional.mse_loss(m(x[i : i + 1]), y[i : i + 1])
+                                     for i in range(len(x))])}  # fmt: skip
+
+    found["evaluated"] = loopkit.evaluate(parts.model, loader, per_sample).sums
+    with parts.average.swapped():
+        found["evaluated_ema"] = loopkit.evaluate(parts.model, loader, per_sample).sums
+    found["after"] = [elastic.full(p) for p in parts.model.parameters()]
+    final = sorted((root / "fully_shard_whole").glob("ckpt-*"))[-1]
+    if info.rank == 0:
+        plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        plain.load_state_dict(loopkit.export_weights(final), strict=True)
+        found["exported_out"] = plain(samples.x).detach()
+        plain.load_state_dict(loopkit.export_weights(final, ema=True), strict=True)
+        found["exported_ema_out"] = plain(samples.x).detach()
+    with torch.no_grad():
+        found["sharded_out"] = parts.model(samples.x).detach()
+        with parts.average.swapped():
+            found["sharded_ema_out"] = parts.model(samples.x).detach()
+    return found
 
 
 if __name__ == "__main__":

@@ -66,6 +66,27 @@ def _everyone(indices: list[int]) -> list[int]:
     return sorted(i for part in found for i in part)
 
 
+def own_sharding(net: nn.Module, how: str) -> nn.Module:
+    """``net`` as a user shards it with torch's own calls on a mesh of their own (one process:
+    the plain model): ``"fully_shard"`` each Linear, the last keeping its parameters after
+    the forward, then the root; ``"replicate"`` FSDP2's replicate (whole copies, DTensors)."""
+    if not dist.is_initialized():
+        return net
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if how == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(net, mesh=mesh)
+        return net
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net[2], mesh=mesh, reshard_after_forward=False)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
 @dataclass
 class Parts:
     """A run's objects, built as every run of these tests builds them."""
@@ -85,13 +106,18 @@ def build(
     replicate: int | None = None,
     global_batch_size: int = GLOBAL_BATCH,
     async_save: bool = False,
+    own: str | None = None,
 ) -> Parts:
     """The model (FSDP2 over each Linear with ``fsdp``, HSDP with ``replicate``), AdamW, a
     scheduler, an EMA, clipping at 0.05 (every update clips), ``accumulate=2``, the loader and
-    a Checkpointer of it all in ``root``."""
+    a Checkpointer of it all in ``root``; ``own``: sharded by the user's own calls
+    (``own_sharding``), not by ``distributed.wrap``."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    model = distributed.wrap(net, fsdp=nn.Linear if fsdp else False, replicate=replicate)
+    if own is not None:
+        model = own_sharding(net, own)
+    else:
+        model = distributed.wrap(net, fsdp=nn.Linear if fsdp else False, replicate=replicate)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
     average = loopkit.ema(model, decay=0.9)
@@ -113,11 +139,12 @@ def run(
     reseed: bool = False,
     global_batch_size: int = GLOBAL_BATCH,
     async_save: bool = False,
+    own: str | None = None,
 ) -> Run:
     """Train (resuming from ``root`` if it holds a checkpoint), saving every 2 updates; at
     update ``stop`` the run ends there (as a killed job: nothing saved after its last save)."""
     parts = build(root, fsdp=fsdp, replicate=replicate, global_batch_size=global_batch_size,
-                  async_save=async_save)  # fmt: skip
+                  async_save=async_save, own=own)  # fmt: skip
     model, average, sched, loader = parts.model, parts.average, parts.sched, parts.loader
     step, ckpt = parts.step, parts.ckpt
     resumed = ckpt.resume(reseed=reseed)

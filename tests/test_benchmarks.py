@@ -234,3 +234,13 @@ def test_streaming_benchmark_quick_rows() -> None:
         assert r["us_per_batch"] > 0 and r["us_per_batch_iterate"] > 0
         assert r["buffered_bytes"] == 1024 * r["buffer"] * max(r["workers"], 1)
         assert r["state_growth_bytes"] >= r["buffered_bytes"], key
+
+
+def test_meta_init_benchmark_quick_rows() -> None:
+    """meta_init.py --quick: on 2 ranks the meta-built model's peak host memory per rank is
+    below building it whole first, and its shards equal the whole-built ones."""
+    rows = {r["variant"]: r for r in _json("benchmarks/meta_init.py", "--quick")}
+    assert set(rows) == {"whole first", "meta"}
+    assert rows["whole first"]["peak_mib_per_rank"] >= rows["whole first"]["model_mib"]
+    assert rows["meta"]["ratio_to_whole_first"] < 0.85
+    assert rows["meta"]["same_shards_as_whole_first"] is True

@@ -31,6 +31,8 @@ ALONE = [
     "migrate/hand-loop.md", "migrate/accelerate.md", "trackers.md", "compile.md", "streaming.md",
 ]  # fmt: skip
 NO_CODE = ["api.md", "stability.md"]
+# Recipes run under a simulated cluster by the tests that name them (tests/clusters_recipes.py).
+RECIPES = ["clusters.md"]
 
 
 def _blocks(page: str) -> list[tuple[str, str]]:
@@ -46,9 +48,19 @@ def test_every_page_is_in_the_nav_and_run_here() -> None:
     """No page escapes the checks: each is in mkdocs.yml's nav and in one list above."""
     pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
     assert pages == sorted(_nav_pages())
-    assert pages == sorted(CHAIN + ALONE + NO_CODE)
+    assert pages == sorted(CHAIN + ALONE + NO_CODE + RECIPES)
     assert not any(_blocks(p) for p in NO_CODE)
     assert {lang for p in pages for lang, _ in _blocks(p)} <= {"python", "bash"}
+
+
+def test_every_cluster_recipe_is_run_by_a_test() -> None:
+    """Each section of docs/clusters.md with code blocks is read by a test, by its heading."""
+    from clusters_recipes import sections
+
+    tests = "".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+    for heading, text in sections().items():
+        if FENCE.search(text):
+            assert f'recipe("{heading}")' in tests, f"no test runs the recipe {heading!r}"
 
 
 def test_the_site_builds_with_no_warning(tmp_path: Path) -> None:

@@ -43,6 +43,25 @@ def _ema_swapped_elsewhere() -> None:
         pass
 
 
+def _on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return build()
+
+
+def _setup_under_srun(**changes: str) -> None:
+    """distributed.setup() in a task of an srun step of 2 tasks, its variables changed."""
+    import os
+    from unittest import mock
+
+    task = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_STEP_NODELIST": "node[1-2]"}  # fmt: skip
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launch} | task | changes
+    with mock.patch.dict(os.environ, env, clear=True):
+        distributed.setup()
+
+
 def _model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
     m = mlp()
     return m, _opt(m)
@@ -229,6 +248,28 @@ def _resume_incomplete(tmp: Path) -> None:
     m, o = _model_opt()
     step = loopkit.step(m, o, accumulate=2)
     loopkit.Checkpointer(tmp, model=m, optimizer=o, step=step).resume(tmp / "incomplete.pt")
+
+
+def _owned_by_another_job(tmp: Path) -> None:
+    """A directory whose owner record another host's live job touched just now."""
+    import json
+    import os
+
+    record = {"host": "node-b", "pid": 4242, "started": "2030-01-01 00:00:00 +0000",
+              "dir_ino": os.stat(tmp).st_ino}  # fmt: skip
+    (tmp / ".loopkit-owner-0000000001").write_text(json.dumps(record))
+    _checkpointer(tmp).resume()
+
+
+def _damaged_checkpoints(tmp: Path, skip_damaged: bool) -> None:
+    """Two checkpoints, both cut short: resumed with or without skip_damaged=True."""
+    ckpt = _checkpointer(tmp)
+    for _ in range(2):
+        path = ckpt.save()
+        assert path is not None
+        path.write_bytes(path.read_bytes()[:100])
+    ckpt.close()
+    _checkpointer(tmp).resume(skip_damaged=skip_damaged)
 
 
 def _resume_mid_window(tmp: Path) -> None:
@@ -542,6 +583,12 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         TypeError,
         "map-style dataset",
     ),
+    ("setup srun task without its local rank", lambda t: _setup_under_srun(SLURM_LOCALID=""),
+     RuntimeError, "SLURM_LOCALID (this task's rank on its node) is ''"),
+    ("setup srun rank beyond the step", lambda t: _setup_under_srun(SLURM_PROCID="2"),
+     RuntimeError, "SLURM_PROCID=2 is not below SLURM_STEP_NUM_TASKS=2"),
+    ("setup srun node list malformed", lambda t: _setup_under_srun(SLURM_STEP_NODELIST="n[1-"),
+     RuntimeError, "set MASTER_ADDR to rank 0's host"),
     ("wrap not a module", lambda t: distributed.wrap("model"), TypeError, "nn.Module"),
     ("wrap compile not options", lambda t: distributed.wrap(mlp(), compile="max-autotune"),
      TypeError, "dict of torch.compile's keyword arguments"),
@@ -557,6 +604,32 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("wrap replicate not dividing the world",
      lambda t: distributed.wrap(mlp(), fsdp=True, replicate=3), ValueError,
      "does not divide the 1 processes"),
+    ("wrap FSDP2 option without fsdp",
+     lambda t: distributed.wrap(mlp(), reshard_after_forward=False), ValueError,
+     "reshard_after_forward= is an option of FSDP2"),
+    ("wrap DDP keyword with fsdp",
+     lambda t: distributed.wrap(mlp(), fsdp=True, broadcast_buffers=False), TypeError,
+     "broadcast_buffers=: DDP's keyword"),
+    ("wrap mp_policy not a policy", lambda t: distributed.wrap(mlp(), fsdp=True, mp_policy="bf16"),
+     TypeError, "must be a torch.distributed.fsdp.MixedPrecisionPolicy"),
+    ("wrap reshard_after_forward 1",
+     lambda t: distributed.wrap(mlp(), fsdp=True, reshard_after_forward=1), ValueError,
+     "an int >= 2"),
+    ("wrap mesh not a mesh", lambda t: distributed.wrap(mlp(), fsdp=True, mesh=(2, 2)), TypeError,
+     "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    ("materialize a model not on meta", lambda t: distributed.materialize(mlp()), ValueError,
+     "not on the meta device"),
+    ("materialize init not a function",
+     lambda t: distributed.materialize(_on_meta(mlp), init="normal"), TypeError,
+     "init= takes a function of the model"),
+    ("materialize a module without reset_parameters",
+     lambda t: distributed.materialize(_on_meta(lambda: nn.ParameterList([torch.ones(2)]))),
+     ValueError, "has no reset_parameters()"),
+    ("materialize a model partly on meta",
+     lambda t: distributed.materialize(nn.Sequential(_on_meta(mlp), nn.Linear(1, 1))),
+     ValueError, "build the whole model under torch.device('meta')"),
+    ("wrap init on a model already built", lambda t: distributed.wrap(mlp(), init=print),
+     ValueError, "init= initializes a model built under torch.device('meta')"),
     # doctor
     (
         "doctor unknown phase",
@@ -577,6 +650,17 @@ CATALOGUE: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
         "loopkit.doctor()",
     ),
     # Checkpointer
+    ("checkpointer resume skip_damaged not a bool",
+     lambda t: _checkpointer(t).resume(skip_damaged="yes"), TypeError,
+     "skip_damaged must be True or False"),
+    ("checkpointer resume into a directory another live job owns", _owned_by_another_job,
+     loopkit.CheckpointError, "give this job a directory of its own"),
+    ("checkpointer resume of a damaged newest names skip_damaged",
+     lambda t: _damaged_checkpoints(t, False), loopkit.CheckpointError,
+     "ckpt.resume(skip_damaged=True)"),
+    ("checkpointer resume skip_damaged with every checkpoint damaged",
+     lambda t: _damaged_checkpoints(t, True), loopkit.CheckpointError,
+     "none can be resumed"),
     (
         "checkpointer keep 0",
         lambda t: _checkpointer(t, keep=0),

@@ -15,8 +15,8 @@ import loopkit
 PACKAGE = ROOT / "loopkit"
 # The shared foundations: modules at the top that every capability may import.
 FOUNDATIONS = {
-    "_types", "_errors", "_checks", "_devices", "_ranks", "_job", "_sync_points", "_blocks",
-    "_tracing",
+    "_types", "_errors", "_checks", "_devices", "_ranks", "_job", "_slurm", "_sync_points",
+    "_blocks", "_tracing",
 }  # fmt: skip
 # Modules at the top that are a whole capability (a folder of one file).
 SINGLE_FILE_CAPABILITIES = {"_precision"}

@@ -29,7 +29,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, TypeVar, cast
 
 import torch
 
@@ -48,6 +48,7 @@ _ASIDE = re.compile(r"^\.(ckpt-\d{10})\.old-\d+-[0-9a-f]+$")
 HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 """This host's name, as temporaries are named (a writer's host, pid and a random suffix)."""
 
+E = TypeVar("E", bound=BaseException)
 Moves = list[tuple[Path, Path]]
 """Files moved aside, as (where it was, where it is now)."""
 
@@ -336,7 +337,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if p.is_dir():
         if not (p / "loop.pt").is_file():
             if _NAME.match(p.name) or (p / ".metadata").is_file():
-                raise CheckpointError(f"{p}: unreadable (truncated or corrupt): no loop.pt")
+                raise damaged(CheckpointError(f"{p}: unreadable (truncated or corrupt): no "
+                                              "loop.pt"))  # fmt: skip
             raise CheckpointError(
                 f"{p}: a directory without loop.pt, so not a checkpoint (a sharded model's "
                 "checkpoint is a directory holding loop.pt beside its shards): pass a "
@@ -348,13 +350,27 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(
+        raise damaged(CheckpointError(
             f"{p}: refused: the file holds objects other than tensors and plain containers "
             f"(loading it could run code), or is not a checkpoint: {str(err).splitlines()[0]}"
-        ) from err
+        )) from err  # fmt: skip
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
-        raise CheckpointError(f"{p}: unreadable (truncated or corrupt): {err}") from err
+        raise damaged(CheckpointError(f"{p}: unreadable (truncated or corrupt): {err}")) from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{p}: not a loopkit checkpoint (found {found!r}, not {FORMAT!r})")
+        error = CheckpointError(f"{p}: not a loopkit checkpoint (found {found!r}, not {FORMAT!r})")
+        # Another version's format is no damage: an older checkpoint would roll the run back.
+        raise error if isinstance(found, str) else damaged(error)
     return state
+
+
+def damaged(error: E, is_damaged: bool = True) -> E:
+    """``error``, marked as saying the checkpoint is damaged (cannot be read: truncated,
+    corrupt, a shard or ``loop.pt`` missing), not that it does not fit the run; returned."""
+    setattr(error, "loopkit_damaged", is_damaged)  # noqa: B010 - an exception's own mark
+    return error
+
+
+def is_damaged(error: BaseException | None) -> bool:
+    """Whether ``error`` says its checkpoint is damaged (``damaged``)."""
+    return bool(getattr(error, "loopkit_damaged", False))

@@ -52,9 +52,14 @@ def check_file(
     """
     try:
         world = _ranks.world()[1]
-        saved_world = need(state, "world_size", int, "'world_size'")
-        if saved_world < 1:
-            raise CheckpointError(f"damaged checkpoint: 'world_size' is {saved_world}")
+        try:
+            saved_world = need(state, "world_size", int, "'world_size'")
+            if saved_world < 1:
+                raise CheckpointError(f"damaged checkpoint: 'world_size' is {saved_world}")
+            if need(state, "saves", int, "'saves'") < 0:
+                raise CheckpointError("damaged checkpoint: 'saves' is negative")
+        except CheckpointError as err:  # what every loopkit file holds: the file is damaged
+            raise files.damaged(err) from None
         if saved_world != world:
             if not reseed:
                 raise CheckpointError(
@@ -66,11 +71,10 @@ def check_file(
                     f"{saved_world} process(es) to continue bit for bit"
                 )
             state = spread(pieces, state, world)
-        if need(state, "saves", int, "'saves'") < 0:
-            raise CheckpointError("damaged checkpoint: 'saves' is negative")
         check_all(pieces, state, bookkeeping=BOOKKEEPING, always_saved=_ALWAYS_SAVED)
     except CheckpointError as err:  # said without the file: name it
-        raise CheckpointError(f"{path}: {err}") from err.__cause__
+        named = files.damaged(CheckpointError(f"{path}: {err}"), files.is_damaged(err))
+        raise named from err.__cause__
     return state
 
 
@@ -90,20 +94,25 @@ def agreed(target: Path | None, error: Exception | None) -> Exception | None:
     Every rank must take the same decision: a rank that went on alone would hang or train
     from other weights. (One host-level collective per resume.)
     """
-    reports: list[tuple[str | None, str | None]] = _ranks.gather_objects(
-        (None if target is None else str(target), None if error is None else str(error))
-    )
+    reports: list[tuple[str | None, str | None, bool]] = _ranks.gather_objects(
+        (None if target is None else str(target), None if error is None else str(error),
+         files.is_damaged(error))
+    )  # fmt: skip
+    # Damaged only where every rank that failed found it damaged (none found a mismatch):
+    # every rank then takes the same decision (skip_damaged goes to an older one, or not).
+    damaged = all(hurt for _, err, hurt in reports if err is not None)
     if error is not None:
-        return error
-    if len({t for t, _ in reports}) > 1:
-        listing = ", ".join(f"rank {r}: {t or 'none'}" for r, (t, _) in enumerate(reports))
+        return files.damaged(error, damaged)
+    if len({t for t, _, _ in reports}) > 1:
+        listing = ", ".join(f"rank {r}: {t or 'none'}" for r, (t, _, _) in enumerate(reports))
         return CheckpointError(
             f"the ranks found different checkpoints to resume from ({listing}): every rank "
             "must see the same directory (a shared filesystem) and pass the same path"
         )
-    for r, (_, err) in enumerate(reports):
+    for r, (_, err, _) in enumerate(reports):
         if err is not None:
-            return CheckpointError(f"{target}: rank {r} cannot resume from it: {err}")
+            said = CheckpointError(f"{target}: rank {r} cannot resume from it: {err}")
+            return files.damaged(said, damaged)
     return None
 
 
@@ -194,8 +203,8 @@ def read_agreed(
             _sharded.read_shards(target, shards)
             state = cast(Mapping[str, object], _sharded.filled(state, shards))
         except Exception as err:
-            error = CheckpointError(f"{target}: unreadable (its shards are incomplete or "
-                                    f"corrupt): {err}")  # fmt: skip
+            error = files.damaged(CheckpointError(f"{target}: unreadable (its shards are "
+                                                  f"incomplete or corrupt): {err}"))  # fmt: skip
             error.__cause__ = err
     try:
         if target is not None and error is None:
@@ -214,17 +223,50 @@ def read_agreed(
 def _naming_older(
     error: Exception | None, directory: Path, older: Sequence[Path]
 ) -> Exception | None:
-    """An unreadable newest checkpoint's error, naming the older ones a resume by path can use."""
-    if error is None or not older or "unreadable" not in str(error):
+    """A damaged newest checkpoint's error, naming the older ones a resume can use."""
+    if error is None or not older or not files.is_damaged(error):
         return error
     names = ", ".join(p.name for p in reversed(older[-3:]))
     said = CheckpointError(
         f"{error}. The newest checkpoint is damaged (a save cut short?); older ones are "
         f"in {directory} ({names}{', ...' if len(older) > 3 else ''}): resume the newest "
-        f"of them with ckpt.resume({str(older[-1])!r}) (newer files are moved aside)"
+        f"of them with ckpt.resume({str(older[-1])!r}) (newer files are moved aside), or "
+        "let an unattended job do so itself with ckpt.resume(skip_damaged=True)"
     )
     said.__cause__ = error
-    return said
+    return files.damaged(said)
+
+
+def read_readable(
+    ckpt_dir: Path,
+    found: Sequence[Path],
+    pieces: Mapping[str, StatePiece],
+    sharded: bool,
+    reseed: bool,
+    skip_damaged: bool,
+) -> tuple[Mapping[str, object], files.Moves, Path | None, list[tuple[Path, str]]]:
+    """``read_agreed`` of the newest of ``found``; with ``skip_damaged``, of the newest that
+    every rank can read: its state, the moves, its path and the damaged ones skipped (each
+    with its error, newest first), which a resume moves aside (a new lineage)."""
+    skipped: list[tuple[Path, str]] = []
+    for i in range(len(found) - 1, -1, -1):
+        try:
+            state, moved = read_agreed(ckpt_dir, found[i], pieces, () if skip_damaged else
+                                       found[:i], sharded, reseed)  # fmt: skip
+        except CheckpointError as err:
+            if not (skip_damaged and files.is_damaged(err)):
+                raise
+            skipped.append((found[i], str(err)))
+            continue
+        return state, moved, found[i], skipped
+    if skipped:
+        listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise CheckpointError(
+            f"every checkpoint in {ckpt_dir} is damaged, none can be resumed ({listing}): "
+            "move them aside to start afresh, or resume one a copy of which is whole"
+        )
+    state, moved = read_agreed(ckpt_dir, None, pieces, (), sharded, reseed)
+    return state, moved, None, skipped
 
 
 def number_of(pieces: Mapping[str, StatePiece], state: Mapping[str, object]) -> int:

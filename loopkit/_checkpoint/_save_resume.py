@@ -30,13 +30,14 @@ from .._data._epoch_loader import EpochLoader
 from .._precision import autocast_step
 from .._step import _accumulate, _compose, _group, _misuse
 from .._types import Clock, Stateful
-from . import _adopt, _sharded, _standing
+from . import _adopt, _owner, _sharded, _standing
 from . import _files as files
 from ._background import Background
 from ._contract import StatePiece, need, per_rank
 from ._deferred import DeferredSave, EpochCode
 from ._pieces import pieces_for
-from ._resume import check_can_add, load_file, read_agreed
+from ._resume import check_can_add, load_file, read_agreed, read_readable
+from ._save_due import holds_state, maybe_save
 from ._step_state import StepsState, StepState
 from ._write import write
 
@@ -116,6 +117,7 @@ class Checkpointer:
         self._used = False  # a save or a resume happened: the set of pieces is fixed
         self._background = Background() if async_save else None
         self._standing = _standing.Standing()
+        self.damaged: list[tuple[Path, str]] = []  # what resume(skip_damaged=True) skipped
 
     @property
     def standing(self) -> str | None:
@@ -186,26 +188,7 @@ class Checkpointer:
         it is written when the next pass starts (before its first batch), holding what ran
         after the last window; ``None`` is returned then.
         """
-        if not is_int_at_least(every, 1):
-            raise ValueError(f"every must be an int >= 1 (updates between saves), got {every!r}")
-        acc = self._acc
-        if acc is None:
-            raise RuntimeError("maybe_save needs step= (to count updates); call save() instead")
-        _raise_failed_write(self)
-        updates = acc.updates
-        # Saved already: this update, unless a window skipped since (inf/nan) changed the
-        # state without changing the count (its counters, the GradScaler, the data's place).
-        saved = updates == self.last_saved_update and _holds_state(self)
-        if not updates or acc.settle() or updates % every or saved:
-            return None
-        if updates == self._deferred.update:
-            return None
-        if self.ends_pass():
-            # The epoch's code after its last window has not run yet: a checkpoint now would
-            # resume without it.
-            self._deferred.defer(updates)
-            return None
-        return self.save()
+        return maybe_save(self, every)
 
     @property
     def save_pending(self) -> bool:
@@ -235,7 +218,7 @@ class Checkpointer:
         self.wait()
         if self._acc is None or self.save_pending:
             return self.save()
-        if _holds_state(self):
+        if holds_state(self):
             _standing.idle_save(self)
             return None
         return self.save()
@@ -266,7 +249,11 @@ class Checkpointer:
     # -- reading ------------------------------------------------------------------------------
 
     def resume(
-        self, path: str | os.PathLike[str] | None = None, *, reseed: bool = False
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        reseed: bool = False,
+        skip_damaged: bool = False,
     ) -> Path | None:
         """Restore the newest checkpoint (or ``path``); None if there is none yet.
 
@@ -279,8 +266,20 @@ class Checkpointer:
         states and the directory as they were. Every rank calls it. An older checkpoint
         than the newest starts a new lineage (the newer move to ``abandoned-*/``).
         ``standing`` then says where the run stands, ``epochs(E)`` loops over what is left.
+
+        ``skip_damaged=True`` (an unattended requeue): a newest checkpoint that cannot be
+        read (truncated, corrupt, a shard missing) is skipped for the newest readable one,
+        the skipped moved aside, with a ``ResumeWarning`` naming each and its error (also in
+        ``ckpt.damaged``). Refused while another live job owns the directory (docs/clusters.md).
         """
-        return _resumed(self, None if path is None else Path(path), reseed)
+        with _owner.claimed(self.directory):
+            return _resumed(self, None if path is None else Path(path), reseed, skip_damaged)
+
+    def close(self) -> None:
+        """Wait for the save in flight, then give the directory up: another job may write it
+        (``distributed.teardown`` and the process's exit give it up too). Every rank calls it."""
+        self.wait()
+        _owner.release(self.directory)
 
     def epochs(self, total: int) -> Iterator[int]:
         """The epochs of ``loader=`` left of ``total`` (none for a finished run, none past its
@@ -294,6 +293,12 @@ class Checkpointer:
 
 
 def _write_now(ckpt: Checkpointer, before_code: bool) -> Path | None:
+    """``save()``, refused while another job owns the directory (``_owner``)."""
+    with _owner.claimed(ckpt.directory):
+        return _written_now(ckpt, before_code)
+
+
+def _written_now(ckpt: Checkpointer, before_code: bool) -> Path | None:
     """``save()``; ``before_code``: taken before the epoch's code after the loader's pass."""
     ckpt.wait()
     _standing.idle_save(ckpt)
@@ -310,19 +315,6 @@ def _write_now(ckpt: Checkpointer, before_code: bool) -> Path | None:
     return path
 
 
-def _holds_state(ckpt: Checkpointer) -> bool:
-    """Whether the newest checkpoint holds the run's state: no window closed since (a skipped
-    one included), nor has the epoch's code it left to run run since."""
-    return ckpt._saved_windows == ckpt._windows_closed() and not ckpt._epoch_code.moved
-
-
-def _raise_failed_write(ckpt: Checkpointer) -> None:
-    """In one process, raise a background write that failed (``wait``) as soon as it did:
-    ranks must raise alike, so a job of several learns it at the next save or wait."""
-    if ckpt._background is not None and ckpt._background.failed_alone():
-        ckpt.wait()
-
-
 def _refuse_mid_window(acc: Clock | None) -> None:
     if acc is not None and acc.settle():
         raise RuntimeError(
@@ -331,7 +323,9 @@ def _refuse_mid_window(acc: Clock | None) -> None:
         )
 
 
-def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None:
+def _resumed(
+    ckpt: Checkpointer, path: Path | None, reseed: bool, skip_damaged: bool
+) -> Path | None:
     """``Checkpointer.resume``: checked, agreed by every rank, then loaded."""
     acc = ckpt._acc
     if acc is not None and acc.settle():
@@ -339,26 +333,32 @@ def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None
             f"resume() in the middle of an accumulation window ({acc.micro_step} of "
             f"{acc.every} micro-steps done): call it before the training loop"
         )
-    if not isinstance(reseed, bool):
-        raise TypeError(f"reseed must be True or False, got {reseed!r}")
+    for name, flag in (("reseed", reseed), ("skip_damaged", skip_damaged)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     ckpt.wait()  # a save in flight is what a resume must find
     if _ranks.world()[0] == 0:  # a re-save killed between its renames: the old one back
         files.restore_replaced(ckpt.directory, *([] if path is None else [path.parent]))
     _ranks.barrier()  # before any rank lists the checkpoints
     relaunch = not ckpt._used  # the run starts from it (not a rollback within a run)
     ckpt._used = True  # even a refused resume: pieces added now would miss its checks
-    found = ckpt.checkpoints() if path is None else []
-    target = (found[-1] if found else None) if path is None else path
     sharded = _sharded.is_sharded(ckpt.model)
-    state, moved = read_agreed(ckpt.directory, target, ckpt.pieces, older=found[:-1],
-                               sharded=sharded, reseed=reseed)  # fmt: skip
+    if path is None:
+        state, moved, target, skipped = read_readable(
+            ckpt.directory, ckpt.checkpoints(), ckpt.pieces, sharded, reseed, skip_damaged
+        )
+    else:
+        state, moved = read_agreed(ckpt.directory, path, ckpt.pieces, sharded=sharded,
+                                   reseed=reseed)  # fmt: skip
+        target, skipped = path, []
     if _ranks.world()[0] == 0:
         files.remove_stale_temporaries(ckpt.directory)  # a crashed save's leftovers
     if target is None:
         return None
     kept = copy.copy(ckpt._standing)
     try:
-        _standing.announce(ckpt, state, target, relaunch)  # a warning made an error: no load
+        _standing.skipped_damaged(target, skipped)  # a warning made an error: no load
+        _standing.announce(ckpt, state, target, relaunch)
         # Checked on every rank: loading fails now only where user code (a hook, an
         # extra's load_state_dict) raises, and then everything loaded is put back.
         load_file(ckpt.pieces, state, target)
@@ -369,5 +369,6 @@ def _resumed(ckpt: Checkpointer, path: Path | None, reseed: bool) -> Path | None
     _misuse.resumed()  # schedulers moved by a load, not stepped: no step's guard objects
     left = ckpt.loader is not None and _standing.tail_left(ckpt.loader)
     ckpt._count_saved(need(state, "saves", int, "'saves'"), code_left=left)
+    ckpt.damaged = skipped
     _standing.watch(ckpt)
     return target

@@ -124,6 +124,21 @@ def announce(ckpt: Checkpointer, state: Mapping[str, object], path: Path, relaun
         _LOG.info("%s", line)
 
 
+def skipped_damaged(target: Path | None, skipped: list[tuple[Path, str]]) -> None:
+    """Say loudly (a ``ResumeWarning`` and a WARNING log line, on rank zero) which damaged
+    checkpoints ``resume(skip_damaged=True)`` skipped, why, and which one it took."""
+    if not skipped or _ranks.world()[0] != 0:
+        return
+    said = "; ".join(f"{path} ({why})" for path, why in skipped)
+    line = (
+        f"resume(skip_damaged=True): the newest checkpoint(s) cannot be read, so the run "
+        f"resumes the newest readable one, {target}, and repeats the updates since: skipped "
+        f"{said}. The skipped ones are moved to an abandoned-* folder (ckpt.damaged lists them)"
+    )
+    _LOG.warning("%s", line)
+    _warn(line, ResumeWarning, user_frame())
+
+
 def watch(ckpt: Checkpointer) -> None:
     """The state is loaded: remember it; a relaunch's first pass is checked as it starts."""
     standing, loader = ckpt._standing, ckpt.loader

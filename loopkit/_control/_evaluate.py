@@ -7,8 +7,9 @@ dropped by position (the sampler appends them after the real samples, so on each
 are the last ones), and the ranks' float64 sums and counts are pooled in one exchange at
 the end, summed in rank order on every rank alike.
 
-The forward runs under ``torch.inference_mode()`` and evaluate's own precision (the step's,
-or ``precision=``: fp32 by default) wherever it is called: an enclosing autocast (a step's,
+The forward runs under ``torch.inference_mode()`` (``no_grad`` for FSDP2) and evaluate's
+own precision (the step's, or ``precision=``: fp32 by default) wherever it is called: an
+enclosing autocast (a step's,
 entered by ``with step as s:`` until ``s.backward``) is off for the call and on again after
 it. It runs on the module inside DDP (so no reducer state is touched, and ranks may run
 different numbers of batches), with every submodule in eval mode and, under several
@@ -35,7 +36,7 @@ from .._checkpoint import _rng
 from .._data._epoch_loader import EpochLoader
 from .._data._to_device import to_device
 from .._devices import model_device, resolve_device
-from .._parallel._grad_sync import sync_kind, unwrap
+from .._parallel._grad_sync import reshard, sync_kind, unwrap
 from .._precision import resolve_precision
 from .._step import _compose
 from .._sync_points import expected_sync
@@ -146,7 +147,7 @@ def evaluate(
     parts: list[list[float]] = []
     try:
         model.eval()
-        with _rng.kept(), rank_zero, torch.inference_mode(), autocast:
+        with _rng.kept(), rank_zero, _grad_off(model), autocast:
             for batch in batches:
                 out = fn(forward, move(batch))
                 values, size = _per_sample(out, names)
@@ -172,6 +173,9 @@ def evaluate(
         for module, mode in modes:
             if module.training != mode:
                 module.train(mode)
+        # As it found it: FSDP2 modules that keep their parameters after a forward (the root)
+        # would hold them gathered after this backward-free pass.
+        reshard(model)
     # Every rank learns every rank's sums, and whether one failed, in one exchange.
     with expected_sync("evaluate's exchange"):
         reports = _ranks.gather_objects(
@@ -180,6 +184,15 @@ def evaluate(
     if error is not None:
         raise error
     return _pooled(reports)
+
+
+def _grad_off(model: nn.Module) -> Any:
+    """``inference_mode``, or ``no_grad`` for FSDP2: the buffers it gathers parameters into
+    are made at its first forward and kept, and made under ``inference_mode`` they refuse
+    every later forward outside it (an evaluation before any training: resumed, say)."""
+    if sync_kind(model) == "fsdp2":
+        return torch.no_grad()
+    return torch.inference_mode()
 
 
 def exact_parts(values: list[float]) -> list[float]:

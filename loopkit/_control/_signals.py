@@ -7,13 +7,38 @@ window boundary, after the ranks have pooled what each received.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import warnings
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
 SignalLike = str | int | signal.Signals
+
+PREEMPTED = 75
+"""The exit status of a run a signal stopped before its end, saved: sysexits.h's EX_TEMPFAIL
+("try again later"), a status neither Python (1, argparse's 2), nor shells (126, 127,
+128 + signal) nor srun use for anything else."""
+
+
+def exit_status(preempted: bool) -> int:
+    """``PREEMPTED`` for a run a signal stopped, else 0; 0 under a torchelastic agent
+    (torchrun, ``accelerate launch``), which takes any other status for a failure."""
+    if not preempted:
+        return 0
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A worker's non-zero status makes torchrun restart the group (--max-restarts) or
+        # exit 1; the scheduler never sees it. The launch script knows it sent the signal.
+        warnings.warn(
+            "until.exit_status is 0 under torchrun: its agent takes any other status for a "
+            "failure (a restart with --max-restarts, else exit 1). Decide the requeue in the "
+            "launch script, from the signal it received (docs/clusters.md)",
+            stacklevel=3,
+        )
+        return 0
+    return PREEMPTED
 
 
 def resolve_signals(signals: Iterable[SignalLike]) -> tuple[signal.Signals, ...]:

@@ -29,7 +29,7 @@ from ._boundaries import Boundaries, clock_of
 from ._durations import parse_duration
 from ._early_stop import early_stop as EarlyStop
 from ._pass_end import PassEnd
-from ._signals import SignalFlag, SignalLike, check_can_catch, resolve_signals
+from ._signals import SignalFlag, SignalLike, check_can_catch, exit_status, resolve_signals
 from ._stop_state import UntilState
 
 
@@ -42,7 +42,8 @@ class until:
     window has just closed. ``max_time`` (``"HH:MM:SS"``, ``"DD:HH:MM:SS"``, a timedelta)
     counts the training time of the whole run, resumes included. A signal in ``signals``
     (default SIGTERM, as a preempting scheduler sends) no longer kills the process: the
-    loop stops at the next check, saves, and the script ends normally (exit 0). Signals and
+    loop stops at the next check, saves, and the script ends normally; end it with
+    ``sys.exit(stop.exit_status)`` to tell a requeue script it has work left. Signals and
     time are checked every ``check_every`` updates (one small all-reduce under DDP); limits
     on updates and epochs, and ``early_stop``'s decision, at every boundary.
 
@@ -124,6 +125,11 @@ class until:
         """Whether the loop stopped on a signal."""
         return self.reason is not None and self.reason.startswith("SIG")
 
+    @property
+    def exit_status(self) -> int:
+        """75 (EX_TEMPFAIL: saved, requeue me) after a signal's stop, else 0; 0 under torchrun."""
+        return exit_status(self.preempted)
+
     def check(self) -> bool:
         """Whether to stop now; True only where a window has just closed (and after).
 
@@ -140,7 +146,7 @@ class until:
         updates = self._boundaries.new()
         if updates is None:
             return False
-        reason = self._limit_reached(updates)
+        reason = _limit_reached(self, updates)
         if reason is None and self.max_epochs is not None and not self._epochs_used:
             done = self._pass.epochs_done()  # not None: checked above
             if done is not None and done >= self.max_epochs:
@@ -153,14 +159,6 @@ class until:
             return False
         self._stop(reason, final=False)
         return True
-
-    def _limit_reached(self, updates: int) -> str | None:
-        """A stop every rank sees alike without an exchange (shared counts, agreed metric)."""
-        if self.max_updates is not None and updates >= self.max_updates:
-            return "max_updates"
-        if self.early_stop is not None and self.early_stop.stopped:
-            return "early_stop"
-        return None
 
     def _resumed_finished(self, reason: str, updates: int) -> None:
         """``ckpt.resume()`` found a run that ``reason`` (a limit that holds still) had ended."""
@@ -208,7 +206,7 @@ class until:
                     updates = self._boundaries.updates
                     if self.max_epochs is not None and epoch >= self.max_epochs:
                         self._stop("max_epochs", final=True)
-                    elif (reason := self._limit_reached(updates)) is not None:
+                    elif (reason := _limit_reached(self, updates)) is not None:
                         self._stop(reason, final=True)
                     elif self._state.pool_next and (self.signals or self.max_time is not None):
                         # A run resumed past max_time (or signalled) stops before training:
@@ -295,6 +293,15 @@ def _epoch_done(stop: until) -> bool:
     if ckpt.loader is not None:  # as the loader's state in the same save says
         return ckpt._epoch_code.saving_done
     return stop._pass.last and not iterating(ckpt.clock)
+
+
+def _limit_reached(stop: until, updates: int) -> str | None:
+    """A stop every rank sees alike without an exchange (shared counts, agreed metric)."""
+    if stop.max_updates is not None and updates >= stop.max_updates:
+        return "max_updates"
+    if stop.early_stop is not None and stop.early_stop.stopped:
+        return "early_stop"
+    return None
 
 
 def _agreed_reason(stop: until) -> str | None:

@@ -2,10 +2,14 @@
 
 They do not wait inside a collective, which the process group's timeout bounds (a build
 of a real data set easily takes longer, and would kill them): they poll a small file,
-``.<name>.job-<token>-<host>`` in the cache root, in which local rank 0 says that it is
-working (and its pid), then where the cache is, or why it failed. The token, drawn by
-rank 0 and shared in one quick collective as ``preload`` starts, tells this call's file
-from an earlier one's. Local rank 0's final word also goes to the job's store, which a
+``.<name>.job-<token>-r<rank>`` in the cache root, in which local rank 0 (global rank
+``rank``) says that it is working (and its pid), then where the cache is, or why it
+failed. The token, drawn by rank 0 and shared in one quick collective as ``preload``
+starts, tells this call's file from an earlier one's; the same collective says where each
+rank runs (``Handoff``), so a rank finds its node's local rank 0 whatever the numbering
+(torchrun numbers a node's ranks in a row, ``srun -m cyclic`` does not) and two nodes
+whose builders share a directory, even under one host name, never read each other's
+file. Local rank 0's final word also goes to the job's store, which a
 waiter reads at every poll: it raises with local rank 0's error as soon as it is posted,
 even when the file still says "working" (a full disk: local rank 0 cannot rewrite it),
 and if local rank 0 died without finishing (its pid is gone), so none waits forever.
@@ -14,9 +18,9 @@ and if local rank 0 died without finishing (its pid is gone), so none waits fore
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-import re
 import secrets
 import socket
 import time
@@ -29,11 +33,46 @@ from .. import _ranks
 _MAX_POLL_S = 1.0
 
 
-def job_token() -> str:
-    """A token all ranks of this call share (one quick collective); "" in a single process."""
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """What one ``preload`` call's ranks share: its token and where each rank runs."""
+
+    token: str
+    """Drawn by rank 0; "" in a single process."""
+    places: tuple[tuple[str, int], ...] = ()
+    """Each rank's node (``node()``) and local rank, in rank order."""
+
+    def builder(self, rank: int) -> int:
+        """The global rank of the local rank 0 of ``rank``'s node: the process it waits for."""
+        node, local = self.places[rank]
+        first = rank - local  # torchrun's layout: a node's ranks in a row
+        if local == 0 or (0 <= first < len(self.places) and self.places[first] == (node, 0)):
+            return first
+        found = [r for r, place in enumerate(self.places) if place == (node, 0)]
+        if len(found) != 1:
+            raise RuntimeError(
+                f"preload: rank {rank} (local rank {local} on {node}) cannot tell which process "
+                f"of its node builds the cache: {len(found)} processes there have local rank "
+                "0. The launcher must give a node's processes the local ranks 0, 1, ... once "
+                "each (LOCAL_RANK)"
+            )
+        return found[0]
+
+
+def node() -> str:
+    """Where this process runs: its host, and the launcher's number for its node if it sets
+    one (torchrun's ``GROUP_RANK``, Slurm's ``SLURM_NODEID``): nodes may share a host name."""
+    number = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))
+    return f"{socket.gethostname()}#{number}" if number else socket.gethostname()
+
+
+def job_token(local_rank: int = 0) -> Handoff:
+    """This call's token and every rank's place, in one quick collective (none in a single
+    process); ``local_rank``: this process's, as ``preload`` chose its builder by it."""
     if not _ranks.is_multi_rank():
-        return ""
-    return str(_ranks.gather_objects(secrets.token_hex(8))[0])
+        return Handoff("")
+    every = _ranks.gather_objects((secrets.token_hex(8), node(), local_rank))
+    return Handoff(str(every[0][0]), tuple((str(n), int(r)) for _, n, r in every))
 
 
 def _pid_namespace() -> str:
@@ -43,16 +82,15 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _path(directory: Path, name: str, token: str) -> Path:
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
-    return directory / f".{name}.job-{token}-{host}"
+def _path(directory: Path, name: str, token: str, rank: int) -> Path:
+    return directory / f".{name}.job-{token}-r{rank}"
 
 
 class Announcer:
     """Local rank 0's side: says what it is doing, in a file the node's other ranks poll."""
 
-    def __init__(self, directory: Path, name: str, token: str) -> None:
-        self.path = _path(directory, name, token)
+    def __init__(self, directory: Path, name: str, token: str, rank: int) -> None:
+        self.path = _path(directory, name, token, rank)
 
     def say(self, state: str, **more: str) -> None:
         said = {"state": state, "pid": os.getpid(), "pid_ns": _pid_namespace(), **more}
@@ -96,15 +134,20 @@ def _failed(error: str) -> RuntimeError:
 
 
 def wait_for(
-    directory: Path, name: str, token: str, outcome: Callable[[], str | None] = lambda: None
+    directory: Path,
+    name: str,
+    token: str,
+    builder: int,
+    outcome: Callable[[], str | None] = lambda: None,
 ) -> Path:
-    """The cache's path once local rank 0 says it is ready; raises what it says if it failed.
+    """The cache's path once local rank 0 (global rank ``builder``) says it is ready; raises
+    what it says if it failed.
 
     ``outcome``: local rank 0's final word if it has one (its error, "" when it succeeded),
     posted in the job's store. It is read first at every poll: a failure reaches the
     waiters whether or not local rank 0 could write it into the file (no root, a full disk).
     """
-    path = _path(directory, name, token)
+    path = _path(directory, name, token, builder)
     delay = 0.02
     while True:
         final = outcome()

@@ -90,7 +90,10 @@ def preload(
     roots = [Path(cache)] if cache is not None else default_roots()
     job = info()
     builder = job.local_rank == 0
-    token = job_token()  # the one collective, as every rank starts: nothing slow before it
+    # The one collective, as every rank starts (nothing slow before it): the call's token and
+    # where every rank runs, so each finds its node's builder.
+    handoff = job_token(job.local_rank)
+    token = handoff.token
     name = key or _default_key(dataset, transform)
 
     def get(i: int) -> tuple[torch.Tensor, ...]:
@@ -99,7 +102,7 @@ def preload(
 
     opening = _Opening(n, get, name, roots, default, trust_shared_cache,
                        trust_shared_cache if verify is None else verify)  # fmt: skip
-    announcer = Announcer(roots[0], name, token) if builder and token else None
+    announcer = Announcer(roots[0], name, token, job.rank) if builder and token else None
     failure: Exception | None = None
     cache_: Preloaded | None = None
     held: tuple[Path, str] | None = None
@@ -117,8 +120,7 @@ def preload(
         else:
             # The node's builder posts its outcome when it is done: a failure it could not
             # write into the handoff file (no root, a full disk) still reaches this rank.
-            builder_rank = job.rank - job.local_rank  # torchrun numbers a node's ranks in a row
-            cache_ = _waited(n, get, name, roots[0], token, builder_rank)
+            cache_ = _waited(n, get, name, roots[0], token, handoff.builder(job.rank))
         held = (cache_.path, _cache_files.contents(cache_.path))  # compared across nodes
         if announcer is not None:
             announcer.say("ready", path=str(cache_.path))
@@ -149,7 +151,7 @@ def _waited(
         survey = fingerprint(n, get, name)
     except Exception as err:  # raised once local rank 0 is done: all meet in the exchange
         own = err
-    path = wait_for(where, name, token, lambda: builder_error(token, builder_rank))
+    path = wait_for(where, name, token, builder_rank, lambda: builder_error(token, builder_rank))
     if own is not None:
         raise own
     if path.name != f"{name}-{survey.fingerprint}":

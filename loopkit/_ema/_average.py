@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._errors import CheckpointError
-from .._parallel._grad_sync import plain_key, sync_kind, unwrap
+from .._parallel._grad_sync import plain_key, reshard, sync_kind, unwrap
 from . import _export
 from ._decay import check_settings, decay_at
 from ._tensors import _as_param, _local
@@ -39,6 +39,7 @@ def _inner(model: nn.Module) -> nn.Module:
             "an ema of an FSDP1 model (flat parameters) is not supported: shard it with FSDP2 "
             "(torch.distributed.fsdp.fully_shard), whose parameters the ema averages per shard"
         )
+    reshard(model)  # its shards, not the whole parameters a no-grad forward left gathered
     module = unwrap(model)
     if isinstance(module, nn.parallel.DistributedDataParallel):
         module = module.module

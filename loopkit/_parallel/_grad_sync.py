@@ -97,6 +97,23 @@ def sync_kind(model: nn.Module) -> SyncKind:
     return "none"
 
 
+def reshard(model: nn.Module) -> None:
+    """Register each FSDP2 module's shards again where a forward left them gathered.
+
+    A module that does not reshard after its forward (the root by default, a block given
+    ``reshard_after_forward=False``) keeps its whole parameters registered after a forward no
+    backward follows (an evaluation, a no-grad pass) until its next forward or backward:
+    what reads ``named_parameters()`` then (the ema's swap) must see the shards. Local, no
+    collective; a no-op on a model already sharded or not FSDP2's.
+    """
+    fsdp2 = _fsdp_types()[0]
+    if fsdp2 is None:
+        return
+    for m in unwrap(model).modules():
+        if isinstance(m, fsdp2):
+            m.reshard()
+
+
 class no_sync(contextlib.ContextDecorator):
     """Suppress gradient synchronization for the forward *and* backward inside it.
 

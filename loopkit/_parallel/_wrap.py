@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._blocks import Blocks, select_blocks
 from .._compile import _order
 from .._compile._options import CompileLike, compile_options
 from .._job import info
+from . import _materialize
+from ._fsdp_options import check_fsdp_options
 from ._grad_sync import sync_kind
 
 
@@ -19,7 +22,12 @@ def wrap(
     *,
     fsdp: bool | Blocks = False,
     replicate: int | None = None,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    offload_policy: Any = None,
     compile: CompileLike = False,
+    init: _materialize.Init | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Wrap ``model`` in DDP (or FSDP2 with ``fsdp=True``/``fsdp=BlockClass``) for this job.
@@ -35,6 +43,20 @@ def wrap(
     torchtitan does; on one process too), else the whole model, which DDP then wraps
     (``DDP(compile(model))``: no graph break, where ``compile(DDP(model))`` has several).
     The state-dict keys stay the model's own: no ``_orig_mod.``.
+
+    FSDP2's options (``fully_shard``'s own; with ``fsdp=`` only, as DDP's keywords go with
+    DDP only): ``mp_policy=`` (a ``MixedPrecisionPolicy``: the dtype parameters are gathered
+    and computed in, gradients reduced in), ``offload_policy=`` (a ``CPUOffloadPolicy``;
+    ``pin_memory=False`` on a CPU job), ``mesh=`` (a ``DeviceMesh`` of every rank: 1-D shards,
+    2-D is HSDP over its first dimension; not with ``replicate=``) and
+    ``reshard_after_forward=`` (True, False, or a group size to reshard to): given, each block
+    and the root get it; by default each block but the last reshards after its forward and
+    the root keeps its parameters, as torchtitan does. Single-process they are checked and do
+    nothing (``mp_policy=`` warns: the model computes in its own dtype).
+
+    A model built under ``torch.device("meta")`` is sharded there, then materialized on
+    this process's device (one process: there; DDP: whole on each rank) and initialized by
+    ``distributed.materialize``: each module's ``reset_parameters()``, or ``init=fn(model)``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
@@ -61,28 +83,41 @@ def wrap(
             f"the model is already wrapped ({sync_kind(model).upper()}): wrap it once; pass "
             "the unwrapped module to loopkit.distributed.wrap"
         )
-    blocks = None if fsdp is False or fsdp is True else select_blocks(model, fsdp)
+    meta = _materialize.check(model, init)  # refuses before anything changes
     here = info()
+    shard = check_fsdp_options(here, fsdp, replicate, ddp_kwargs, mesh=mesh, mp_policy=mp_policy,
+                               reshard_after_forward=reshard_after_forward,
+                               offload_policy=offload_policy)  # fmt: skip
+    blocks = None if fsdp is False or fsdp is True else select_blocks(model, fsdp)
     if fsdp is not False and here.is_distributed:
         _order.warn_if_sharded_after_compile(model)
     if options is not None:  # everything checked: compile, then wrap
         _order.compile_in_place(model, blocks, options)
     if not here.is_distributed:
-        return model
-    model = model.to(here.device)
+        return _materialize.fill(model, init, here.device) if meta else model
+    if not meta:
+        model = model.to(here.device)
     if fsdp is not False:
         from torch.distributed.fsdp import fully_shard
 
-        mesh = None
+        mesh = shard.mesh
         if replicate is not None:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(here.device.type, (replicate, here.world_size // replicate),
                                     mesh_dim_names=("replicate", "shard"))  # fmt: skip
-        for block in blocks or []:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        for i, block in enumerate(blocks or []):
+            fully_shard(block, mesh=mesh, **shard.block(i, len(blocks or [])))
+        fully_shard(model, mesh=mesh, **shard.root())
+        if not meta:
+            return model
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # Offloaded shards live in host memory: FSDP2 refuses them materialized elsewhere.
+        offloaded = isinstance(offload_policy, CPUOffloadPolicy)
+        return _materialize.fill(model, init, torch.device("cpu") if offloaded else here.device)
     if here.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [here.device.index])
+    if meta:  # DDP holds the whole model on each rank: materialize it whole first
+        _materialize.fill(model, init, here.device)
     return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)

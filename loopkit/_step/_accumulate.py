@@ -20,6 +20,7 @@ from torch import nn
 from .._checks import is_int_at_least
 from .._compile._options import CompileLike
 from .._ema import _average
+from .._parallel._fsdp_options import check_precision
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
 from .._tracing import EagerUnderCompile, eagerly
@@ -36,9 +37,10 @@ from ._window import Window
 T = TypeVar("T")
 
 
-def _check_binding(model: object, optimizer: object, every: object) -> str:
-    """Refuse a model, optimizer or ``every`` accumulate cannot work with, before any change;
-    the class the user built (``loopkit.step`` or ``loopkit.accumulate``), as messages say."""
+def _check_binding(model: object, optimizer: object, every: object, amp: object = None) -> str:
+    """Refuse a model, optimizer, ``every`` or precision accumulate cannot work with, before
+    any change; the class the user built (``loopkit.step`` or ``loopkit.accumulate``), as
+    messages say."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -56,6 +58,7 @@ def _check_binding(model: object, optimizer: object, every: object) -> str:
             "the optimizer holds none of the model's parameters: build it from "
             "model.parameters() of this model (after wrapping it, if you wrap it)"
         )
+    check_precision(model, getattr(amp, "precision", "fp32"))  # with FSDP2's mp_policy
     # The accumulate already bound to it: catches `accumulate(...)` rebuilt every iteration.
     old, new = _misuse.owner_of(optimizer), _source.built_as(2)
     if isinstance(old, accumulate) and old._window.micro > 0:
@@ -105,7 +108,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         ema: _average.ema | Sequence[_average.ema] | None = None,
         compile_optimizer: CompileLike = False,
     ) -> None:
-        self._built_as = _check_binding(model, optimizer, every)  # what the user built
+        self._built_as = _check_binding(model, optimizer, every, amp)  # what the user built
         kind = sync_kind(model)
         rule = UpdateRule(
             optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler, ema=ema,

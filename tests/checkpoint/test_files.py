@@ -49,6 +49,9 @@ import torch.distributed as dist
 
 root = Path(sys.argv[1])
 
+def names(d):  # the checkpoints and leftovers, not the job's owner record (``_owner``)
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".loopkit-owner"))
+
 def digest(p):
     parts = sorted(p.rglob("*")) if p.is_dir() else [p]
     return hashlib.sha256(b"".join(q.name.encode() + q.read_bytes() for q in parts
@@ -72,7 +75,7 @@ for kind in ("file", "sharded"):
     except OSError as err:
         out[kind] = [err.errno, str(err)]
     cap(HARD)
-    out[kind + "_left"] = sorted(p.name for p in d.iterdir())
+    out[kind + "_left"] = names(d)
     out[kind + "_same"] = digest(first) == before
 d = root / "async"
 model, step, ckpt = build(d, async_save=True)
@@ -87,11 +90,11 @@ try:
     out["async"] = None
 except RuntimeError as err:
     out["async"] = str(err)
-out["async_left"] = sorted(p.name for p in d.iterdir())
+out["async_left"] = names(d)
 again = ckpt.save_if_needed()
 ckpt.wait()
 out["async_again"] = None if again is None else again.name
-out["async_after"] = sorted(p.name for p in d.iterdir())
+out["async_after"] = names(d)
 model, step, ckpt = build(root / "unwaited", async_save=True)
 ckpt.save()  # written fine, and nothing waits for it: the process ends with 0
 print(json.dumps(out), flush=True)

@@ -93,6 +93,28 @@ def test_a_signal_stops_at_the_next_checked_boundary_and_the_process_lives() -> 
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_exit_status_says_preempted_only_where_the_scheduler_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """75 after a signal's stop, 0 after a limit's or before any stop; under a torchelastic
+    agent (which restarts or fails on a non-zero status) 0, with a warning saying why."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    model, step = _step()
+    limited = loopkit.until(step, max_updates=1, signals=())
+    assert limited.exit_status == 0
+    _micro(model, step)
+    assert limited.check() and limited.exit_status == 0
+    model, step = _step()
+    with loopkit.until(step, check_every=1, signals=("SIGUSR1",)) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        _micro(model, step)
+        assert stop.check() and stop.reason == "SIGUSR1"
+    assert stop.exit_status == 75
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.warns(UserWarning, match="0 under torchrun.*launch script"):
+        assert stop.exit_status == 0
+
+
 def test_max_time_counts_from_the_injected_clock() -> None:
     """max_time 1 minute, checked every 3 updates: the first check past 60 s stops."""
     model, step = _step()

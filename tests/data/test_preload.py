@@ -680,17 +680,17 @@ def test_a_waiter_raises_when_the_builder_ended_without_finishing(tmp_path: Path
 
     from loopkit._data import _cache_handoff
 
-    announcer = _cache_handoff.Announcer(tmp_path, "data", "tok")
+    announcer = _cache_handoff.Announcer(tmp_path, "data", "tok", 0)
     announcer.say("working")
     said = json.loads(announcer.path.read_text())
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     announcer.path.write_text(json.dumps({**said, "pid": gone.pid}))
     with pytest.raises(RuntimeError, match=f"pid {gone.pid}\\) ended without finishing"):
-        _cache_handoff.wait_for(tmp_path, "data", "tok")
+        _cache_handoff.wait_for(tmp_path, "data", "tok", 0)
     announcer.say("failed", error="ValueError: item 7 is broken")
     with pytest.raises(RuntimeError, match="could not build or open the cache: ValueError: item 7"):
-        _cache_handoff.wait_for(tmp_path, "data", "tok")
+        _cache_handoff.wait_for(tmp_path, "data", "tok", 0)
 
 
 def test_a_posted_failure_is_raised_while_the_handoff_file_still_says_working(
@@ -702,7 +702,7 @@ def test_a_posted_failure_is_raised_while_the_handoff_file_still_says_working(
 
     from loopkit._data import _cache_handoff
 
-    announcer = _cache_handoff.Announcer(tmp_path, "data", "tok")
+    announcer = _cache_handoff.Announcer(tmp_path, "data", "tok", 0)
     announcer.say("working")
     # Bounds a waiter that reads only the file: after 3 s the file says something else.
     late = threading.Timer(3, announcer.say, ("failed",), {"error": "read from the file"})
@@ -710,7 +710,7 @@ def test_a_posted_failure_is_raised_while_the_handoff_file_still_says_working(
     start = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match=r"the cache: OSError: \[Errno 28\] full$"):
-            _cache_handoff.wait_for(tmp_path, "data", "tok", lambda: "OSError: [Errno 28] full")
+            _cache_handoff.wait_for(tmp_path, "data", "tok", 0, lambda: "OSError: [Errno 28] full")
     finally:
         late.cancel()
         late.join()
@@ -732,7 +732,13 @@ out = Path(sys.argv[1])
 UNSAMPLED = next(i for i in range(60) if i not in spread(60))  # not in the fingerprint's sample
 tokens = []  # every call's store token, to look for its keys afterwards
 _draw = _preload.job_token
-_preload.job_token = lambda: tokens.append(_draw()) or tokens[-1]
+
+def _recorded(local_rank):
+    handoff = _draw(local_rank)
+    tokens.append(handoff.token)
+    return handoff
+
+_preload.job_token = _recorded
 
 def hung(signum, frame):
     raise TimeoutError("preload did not return within its bound: it hung")
@@ -763,14 +769,14 @@ def call(dataset, root, key):
 raised = {}  # what rank 0's data set raised, to compare with what preload raised
 
 class Flaky(Images):
-    '''Rank 0 only: item UNSAMPLED (read by the build, after the sample) raises.'''
-    def __init__(self, full_disk):
+    '''Rank `builder` only: item UNSAMPLED (read by the build, after the sample) raises.'''
+    def __init__(self, full_disk, key="full-disk", builder=0):
         super().__init__(60)
-        self.full_disk = full_disk
+        self.full_disk, self.key, self.builder = full_disk, key, builder
     def __getitem__(self, i):
-        if i == UNSAMPLED and dist.get_rank() == 0:
-            if self.full_disk:  # the disk is full: rank 0 cannot rewrite its handoff file
-                handoff, = Path(sys.argv[1]).glob(".full-disk.job-*")
+        if i == UNSAMPLED and dist.get_rank() == self.builder:
+            if self.full_disk:  # the disk is full: the builder cannot rewrite its handoff file
+                handoff, = Path(sys.argv[1]).glob(f".{self.key}.job-*")
                 os.mkdir(f"{handoff}.{os.getpid()}")
                 raised["err"] = OSError(errno.ENOSPC, "No space left on device")
             else:
@@ -796,6 +802,15 @@ with distributed.setup(timeout=datetime.timedelta(seconds=30)) as info:
         err, seconds = call(Flaky(full_disk), out, case.replace("_", "-"))
         result[case] = {"said": said(err), "seconds": seconds,
                         "original": err is not None and err is raised.get("err")}
+    # A node whose ranks are numbered apart (as `srun -m cyclic` numbers them): rank 1 is local
+    # rank 0 and builds; rank 0 waits for it, and learns of its failure with a full disk.
+    os.environ.update(LOCAL_RANK=str(1 - info.rank))
+    err, seconds = call(Images(60), out, "reversed")
+    result["reversed"] = {"said": said(err), "seconds": seconds}
+    err, seconds = call(Flaky(True, "reversed-full", builder=1), out, "reversed-full")
+    result["reversed_full"] = {"said": said(err), "seconds": seconds,
+                               "original": err is not None and err is raised.get("err")}
+    os.environ.update(LOCAL_RANK=str(info.rank))
     # Two nodes (each rank its node's only one, LOCAL_RANK 0), each with its own root and
     # its own copy of the data: different salts (other fingerprints), one item the sample
     # misses (the same fingerprint), the same data.
@@ -845,6 +860,21 @@ def test_a_failed_build_on_rank_0_reaches_the_waiting_rank_at_once(
         assert b[case]["seconds"] < 5, b[case]  # not a timeout: it hangs 10 s to fail
 
 
+def test_a_node_whose_ranks_are_numbered_apart_waits_for_its_own_local_rank_0(
+    failures_and_nodes: tuple[Path, list[Any]],
+) -> None:
+    """Rank 1 is local rank 0 (srun -m cyclic numbers a node's ranks apart): rank 0 waits
+    for rank 1's build and maps it, and learns of its failure (full disk) within seconds."""
+    _, (a, b) = failures_and_nodes
+    assert a["reversed"]["said"] == b["reversed"]["said"] == ""
+    error = "OSError: [Errno 28] No space left on device"
+    assert b["reversed_full"]["said"] == error and b["reversed_full"]["original"]
+    assert a["reversed_full"]["said"] == (
+        f"RuntimeError: preload: local rank 0 could not build or open the cache: {error}"
+    )
+    assert a["reversed_full"]["seconds"] < 5, a["reversed_full"]  # it hangs 10 s to fail
+
+
 def test_nodes_whose_data_differ_are_refused_on_every_rank(
     failures_and_nodes: tuple[Path, list[Any]],
 ) -> None:
@@ -865,11 +895,11 @@ def test_nodes_whose_data_differ_are_refused_on_every_rank(
 
 
 def test_each_call_leaves_no_keys_in_the_store(failures_and_nodes: tuple[Path, list[Any]]) -> None:
-    """Five preload calls (built, failed, refused): as each returns, on either rank, the job's
+    """Seven preload calls (built, failed, refused): as each returns, on either rank, the job's
     store holds none of its keys; at the end it has as many keys as before the first."""
     _, results = failures_and_nodes
     for result in results:
-        assert result["calls"] == 5
+        assert result["calls"] == 7
         assert result["left"] == ([], [])
         before, after = result["keys"]
         assert after == before

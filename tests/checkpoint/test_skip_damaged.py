@@ -1,0 +1,191 @@
+"""resume(skip_damaged=True): a damaged newest checkpoint is skipped for the newest readable
+one, loudly; the run ends bit-identical to one resumed from that checkpoint; a checkpoint
+that does not fit the run is never skipped; without the opt-in the error names it."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_bit_equal, params
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+from loopkit._checkpoint import _owner
+
+
+@pytest.fixture(autouse=True)
+def _released() -> None:
+    """The directories the tests wrote are no one's (each test's runs are one job)."""
+    _owner._RELEASER.release_all()
+
+
+def _run(root: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+    loader = distributed.loader(data, batch_size=8, num_workers=0, seed=2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    step = loopkit.step(model, opt, scheduler=sched)
+    ckpt = loopkit.Checkpointer(root, model=model, step=step, loader=loader, keep=10)
+    return {"model": model, "loader": loader, "step": step, "ckpt": ckpt}
+
+
+def _train(run: dict[str, Any], stop: int | None = None, **resume: Any) -> Path | None:
+    """Resume (with ``resume``), train 2 epochs saving every 2 updates; end at ``stop``."""
+    step, ckpt = run["step"], run["ckpt"]
+    resumed = ckpt.resume(**resume)
+    for _ in ckpt.epochs(2):
+        for x, y in step.iterate(run["loader"]):
+            with step as s:
+                s.backward(nn.functional.mse_loss(run["model"](x), y))
+            ckpt.maybe_save(every=2)
+            if step.updates == stop:
+                return resumed
+    return resumed
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(random.Random(0).randbytes(len(data)))
+    elif how == "no_format":  # a pickle of tensors only, no loopkit format: not a checkpoint
+        torch.save({"weights": torch.ones(2)}, path)
+    else:  # its bookkeeping (the metadata every file holds) out of range
+        state = torch.load(path, weights_only=True)
+        state["world_size"] = 0
+        torch.save(state, path)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor]]:
+    """A run stopped at update 8 (checkpoints 2, 4, 6, 8) and the uninterrupted run's end."""
+    root = tmp_path_factory.mktemp("skip")
+    whole = _run(root / "whole")
+    _train(whole)
+    _train(_run(root / "cut"), stop=8)
+    _owner._RELEASER.release_all()
+    return root / "cut", params(whole["model"])
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "no_format", "bookkeeping"])
+def test_a_damaged_newest_is_skipped_and_the_run_ends_as_resumed_from_the_previous(
+    how: str, saved: tuple[Path, list[torch.Tensor]], tmp_path: Path
+) -> None:
+    """The newest damaged: the opt-in resumes the previous one (update 6), warns naming the
+    skipped file and its error, lists it in ckpt.damaged, moves it aside; the run ends
+    bit-identical to a run resumed from update 6 by path (and to the uninterrupted run)."""
+    cut, whole = saved
+    shutil.copytree(cut, tmp_path / "a")
+    shutil.copytree(cut, tmp_path / "b")
+    newest = tmp_path / "a" / "ckpt-0000000008.pt"
+    _damage(newest, how)
+    run = _run(tmp_path / "a")
+    with pytest.warns(loopkit.ResumeWarning) as warned:
+        resumed = _train(run, skip_damaged=True)
+    assert resumed == tmp_path / "a" / "ckpt-0000000006.pt"
+    (said,) = [str(w.message) for w in warned if "skip_damaged" in str(w.message)]
+    assert f"resumes the newest readable one, {resumed}" in said
+    assert str(newest) in said and ("unreadable" in said or "damaged" in said
+                                    or "not a loopkit checkpoint" in said)  # fmt: skip
+    assert [p for p, _ in run["ckpt"].damaged] == [newest]
+    assert run["ckpt"].damaged[0][1] in said
+    assert len(list((tmp_path / "a").glob("abandoned-*/ckpt-0000000008.pt"))) == 1
+    by_path = _run(tmp_path / "b")
+    assert _train(by_path, path=tmp_path / "b" / "ckpt-0000000006.pt") is not None
+    assert_bit_equal(params(run["model"]), params(by_path["model"]))
+    assert_bit_equal(params(run["model"]), whole)
+
+
+def test_without_the_opt_in_the_error_names_it_and_nothing_changes(
+    saved: tuple[Path, list[torch.Tensor]], tmp_path: Path
+) -> None:
+    """A damaged newest without skip_damaged=True: CheckpointError naming the older ones,
+    ckpt.resume(path) and ckpt.resume(skip_damaged=True); nothing moved or loaded."""
+    shutil.copytree(saved[0], tmp_path / "a")
+    _damage(tmp_path / "a" / "ckpt-0000000008.pt", "truncated")
+    run = _run(tmp_path / "a")
+    with pytest.raises(loopkit.CheckpointError) as info:
+        run["ckpt"].resume()
+    said = str(info.value)
+    assert "ckpt.resume(skip_damaged=True)" in said and "ckpt-0000000006.pt" in said
+    assert run["step"].updates == 0 and run["ckpt"].damaged == []
+    assert not list((tmp_path / "a").glob("abandoned-*"))
+
+
+def test_several_damaged_are_skipped_and_all_damaged_is_an_error(
+    saved: tuple[Path, list[torch.Tensor]], tmp_path: Path
+) -> None:
+    """The two newest damaged: both skipped (newest first), the third resumed. Every one
+    damaged: an error listing each, nothing resumed, nothing moved."""
+    shutil.copytree(saved[0], tmp_path / "a")
+    for n, how in ((8, "truncated"), (6, "garbage")):
+        _damage(tmp_path / "a" / f"ckpt-{n:010d}.pt", how)
+    run = _run(tmp_path / "a")
+    with pytest.warns(loopkit.ResumeWarning, match="ckpt-0000000008.pt .*ckpt-0000000006.pt"):
+        assert run["ckpt"].resume(skip_damaged=True) == tmp_path / "a" / "ckpt-0000000004.pt"
+    assert [p.name for p, _ in run["ckpt"].damaged] == ["ckpt-0000000008.pt",
+                                                        "ckpt-0000000006.pt"]  # fmt: skip
+    _owner._RELEASER.release_all()
+    shutil.copytree(saved[0], tmp_path / "c")
+    for path in (tmp_path / "c").glob("ckpt-*"):
+        _damage(path, "truncated")
+    run = _run(tmp_path / "c")
+    with pytest.raises(loopkit.CheckpointError, match=r"every checkpoint in .* is damaged"):
+        run["ckpt"].resume(skip_damaged=True)
+    assert run["step"].updates == 0 and not list((tmp_path / "c").glob("abandoned-*"))
+
+
+def test_a_checkpoint_that_does_not_fit_the_run_is_never_skipped(
+    saved: tuple[Path, list[torch.Tensor]], tmp_path: Path
+) -> None:
+    """A newest readable but written for another run (2 processes; another model): the
+    opt-in raises that error as without it, and goes to no older checkpoint."""
+    shutil.copytree(saved[0], tmp_path / "a")
+    newest = tmp_path / "a" / "ckpt-0000000008.pt"
+    state = torch.load(newest, weights_only=True)
+    state["world_size"] = 2
+    state["rng"] = state["rng"] * 2
+    torch.save(state, newest)
+    run = _run(tmp_path / "a")
+    with pytest.raises(loopkit.CheckpointError, match="written by 2 process"):
+        run["ckpt"].resume(skip_damaged=True)
+    assert run["ckpt"].damaged == [] and run["step"].updates == 0
+    with pytest.raises(TypeError, match="skip_damaged must be True or False"):
+        run["ckpt"].resume(skip_damaged=1)
+
+
+_KINDS = ("shard_deleted", "metadata", "loop")
+
+
+def test_sharded_on_two_ranks_every_rank_skips_alike(dist_results: dict[str, Any]) -> None:
+    """FSDP2 on 2 ranks (tests/dist_worker.py): the shard file only rank 1 reads deleted,
+    DCP's metadata overwritten, loop.pt cut short: without the opt-in the error
+    names it; with it both ranks resume update 6, rank 0 warns naming the skipped directory,
+    and the run ends bit-identical to one resumed from update 6 by path. A directory another
+    live job owns is refused on both ranks alike, naming it, and nothing is written."""
+    ranks = dist_results["sharded_skip_damaged"]
+    assert ranks[0]["base"] == ["ckpt-0000000003", "ckpt-0000000006", "ckpt-0000000008"]
+    for rank, found in enumerate(ranks):
+        assert all(found["same"]), found["same"]
+        for kind in _KINDS:
+            assert "ckpt.resume(skip_damaged=True)" in found[f"{kind}_refused"], kind
+            assert [name for name, _ in found[f"{kind}_damaged"]] == ["ckpt-0000000008"], kind
+            warned = found[f"{kind}_warned"]
+            if rank == 0:
+                (said,) = warned
+                assert "ckpt-0000000006, and repeats the updates since" in said, said
+                assert "ckpt-0000000008 (" in said and found[f"{kind}_damaged"][0][1] in said
+            else:
+                assert warned == [], kind
+        assert "host node-b, pid 4242" in found["owned"] and "Slurm job 77" in found["owned"]
+        assert found["owned"] == ranks[0]["owned"]
+        assert found["owned_left"] == [".loopkit-owner-0000000001"]
