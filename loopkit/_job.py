@@ -246,22 +246,26 @@ def _local_place(world: int) -> tuple[int, int]:
 
 
 _BEFORE_TEARDOWN: list[weakref.WeakMethod[Callable[[], object]]] = []
+_LAST_BEFORE_TEARDOWN: list[weakref.WeakMethod[Callable[[], object]]] = []
 
 
-def before_teardown(method: Callable[[], object]) -> None:
+def before_teardown(method: Callable[[], object], *, last: bool = False) -> None:
     """Call the bound ``method`` at the next ``teardown``, before the group goes (held weakly:
-    an object gone by then is skipped). A Checkpointer's background save finishes there."""
-    ref = weakref.WeakMethod(method)  # a bound method
-    if all(r() != method for r in _BEFORE_TEARDOWN):
-        _BEFORE_TEARDOWN.append(ref)
+    an object gone by then is skipped). A Checkpointer's background save finishes there;
+    ``last``: after every hook registered without it (a directory given up after the save)."""
+    hooks = _LAST_BEFORE_TEARDOWN if last else _BEFORE_TEARDOWN
+    if all(r() != method for r in hooks):
+        hooks.append(weakref.WeakMethod(method))  # a bound method
 
 
 def teardown() -> None:
     """Leave the process group (after a barrier, so no rank exits while others still talk).
 
     What ``before_teardown`` registered runs first (a background save completes)."""
-    hooks = [h for h in (r() for r in _BEFORE_TEARDOWN) if h is not None]
+    refs = _BEFORE_TEARDOWN + _LAST_BEFORE_TEARDOWN
+    hooks = [h for h in (r() for r in refs) if h is not None]
     _BEFORE_TEARDOWN.clear()
+    _LAST_BEFORE_TEARDOWN.clear()
     try:
         for hook in hooks:
             hook()

@@ -1145,7 +1145,8 @@ def compile_wrap_order(info: distributed.DistInfo) -> dict[str, Any]:
 @scenario
 def meta_init(info: distributed.DistInfo) -> dict[str, Any]:
     """A meta-built model sharded and materialized (wrap, by hand, blocks only, DDP), with its
-    own init and with init=: what differs from the CPU build; a resume's reads of the shards."""
+    own init and with init=: what differs from the CPU build; torch < 2.7's split (forced)
+    against distribute_tensor's; a resume's reads of the shards."""
     import sys
     from pathlib import Path
 
@@ -1153,6 +1154,7 @@ def meta_init(info: distributed.DistInfo) -> dict[str, Any]:
 
     root = Path(sys.argv[1]) / "meta_resume"
     return {"cases": meta_models.distributed_cases(info.rank),
+            "fallback": meta_models.fallback_cases(info.rank),
             "resume": meta_models.resume_reads(root)}  # fmt: skip
 
 

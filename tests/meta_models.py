@@ -197,6 +197,50 @@ def distributed_cases(
     return out
 
 
+def fallback_cases(rank: int) -> dict[str, list[str]]:
+    """torch < 2.7's path (no ``src_data_rank=None``: each rank slices its part by hand),
+    forced: a meta-built ``Net`` sharded by hand over blocks and root, on FSDP2's mesh and on
+    a (2, 1) HSDP mesh (Replicate, Shard), with the model's own init and with ``titan_init``,
+    materialized by that path and by ``distribute_tensor``'s: the names whose local shards
+    differ between the two, and (``.../cpu``) whose values differ from the CPU build."""
+    from torch.distributed.fsdp import fully_shard
+
+    from loopkit import distributed
+    from loopkit._parallel import _materialize
+
+    def sharded(mesh: object) -> nn.Module:
+        model = on_meta()
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)  # type: ignore[arg-type]
+        fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+        return model
+
+    def local(model: nn.Module) -> dict[str, torch.Tensor]:
+        both = itertools.chain(model.named_parameters(), model.named_buffers())
+        return {n: getattr(t, "_local_tensor", t).detach().clone() for n, t in both}
+
+    out: dict[str, list[str]] = {}
+    native = _materialize._splits_locally
+    for mesh_name, replicate in (("fsdp", None), ("hsdp", 2)):
+        mesh = _mesh(replicate)
+        for label, init in (("own", None), ("fn", titan_init)):
+            models = []
+            for forced in (False, True):
+                model = sharded(mesh)
+                seed_for(init)
+                _materialize._splits_locally = (lambda: False) if forced else native  # type: ignore[assignment]
+                try:
+                    distributed.materialize(model, init)
+                finally:
+                    _materialize._splits_locally = native  # type: ignore[assignment]
+                models.append(model)
+            ours, theirs = local(models[1]), local(models[0])
+            case = f"fallback/{mesh_name}/{label}"
+            out[case] = [n for n in theirs if not torch.equal(ours[n], theirs[n])]
+            out[f"{case}/cpu"] = differences(models[1], on_cpu(init))
+    return out
+
+
 def resume_reads(root: object) -> dict[str, object]:
     """A meta-built FSDP2 model trained 2 updates and saved, then resumed by a fresh meta-built
     one: the (file, offset, length) of each piece this rank read from the shard files, the

@@ -164,6 +164,13 @@ class Background:
         _UNCHECKED.add(self)
         _job.before_teardown(self.finish)
 
+    def join(self) -> None:
+        """Wait for the save in flight to end, reporting nothing (``finish`` reports): what a
+        Checkpointer garbage-collected mid-save waits for before it gives its directory up."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
     def finish(self) -> None:
         """Wait for the save in flight (if any); raise on every rank if any rank's part of it
         failed (one host-level exchange: every rank calls it)."""

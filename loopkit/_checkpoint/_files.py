@@ -19,14 +19,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import pickle
 import re
 import secrets
 import shutil
 import socket
 import sys
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, TypeVar, cast
@@ -34,6 +32,7 @@ from typing import IO, Any, TypeVar, cast
 import torch
 
 from .._errors import CheckpointError
+from . import _unreadable
 
 if sys.platform != "win32":
     import fcntl
@@ -328,7 +327,8 @@ def move_back(moved: Moves) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint safely (no code runs); raise CheckpointError saying what is wrong.
+    """Read a checkpoint safely (no code runs); raise CheckpointError saying what is wrong
+    with it (the machine's errors, ``OSError`` or out of memory, are raised as they are).
 
     A sharded model's checkpoint (a directory, whatever its name: one copied or renamed is
     one still) gives its ``loop.pt``: each DTensor there is a placeholder naming its shards'
@@ -349,12 +349,23 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{p}: no such checkpoint file")
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise damaged(CheckpointError(
-            f"{p}: refused: the file holds objects other than tensors and plain containers "
-            f"(loading it could run code), or is not a checkpoint: {str(err).splitlines()[0]}"
-        )) from err  # fmt: skip
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
+    except Exception as err:
+        refused = _unreadable.refused_global(err)
+        if refused is not None and "blocked" in str(err):  # made to run code: no damage
+            raise CheckpointError(
+                f"{p}: refused: loading it would call {refused} (the file holds objects other "
+                "than tensors and plain containers, made to run code): never load it"
+            ) from err
+        if refused is not None:  # a whole file: the state saved in it is the user's to fix
+            raise CheckpointError(
+                f"{p}: refused: it holds a {refused}, which a safe load (torch.load with "
+                "weights_only=True, so that no file can run code) does not read; the file "
+                "is whole. Save plain Python numbers, lists and tensors in the state_dict "
+                "of what you checkpoint (float(x), x.tolist(), torch.as_tensor(x)), or "
+                f"allow it before resume(): torch.serialization.add_safe_globals([{refused}])"
+            ) from err
+        if not _unreadable.is_corruption(err):  # the machine's error (I/O, memory): as it is
+            raise
         raise damaged(CheckpointError(f"{p}: unreadable (truncated or corrupt): {err}")) from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__

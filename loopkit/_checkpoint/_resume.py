@@ -17,7 +17,7 @@ import torch
 from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
-from . import _from_whole, _sharded
+from . import _from_whole, _sharded, _unreadable
 from ._contract import (
     ExtraStates,
     StatePiece,
@@ -118,8 +118,9 @@ def agreed(target: Path | None, error: Exception | None) -> Exception | None:
 
 def _as_checkpoint_error(err: Exception, target: Path | None) -> Exception:
     """``err`` as the CheckpointError a resume raises (damaged past what the checks name, or
-    the move aside failed)."""
-    if isinstance(err, CheckpointError):
+    the move aside failed); the machine's error (I/O, out of memory, a failed collective:
+    no damage, ``resume(skip_damaged=True)`` skips nothing for it) as it is."""
+    if isinstance(err, CheckpointError) or _unreadable.of_the_machine(err):
         return err
     error = CheckpointError(f"{target}: cannot resume from it: {err!r}")
     error.__cause__ = err
@@ -190,6 +191,9 @@ def read_agreed(
                     shards = _sharded.templates(state, _live(pieces, _holding_shards(state)))
                 except CheckpointError as err:  # said without the file: name it
                     raise CheckpointError(f"{target}: {err}") from err
+                damage = _unreadable.metadata_damage(target)  # found before the collective
+                if damage is not None:
+                    raise files.damaged(damage)
     except Exception as err:
         error = _as_checkpoint_error(err, target)
     if target is not None and (sharded or target.is_dir()):
@@ -200,12 +204,10 @@ def read_agreed(
         if error is not None:
             raise error
         try:
-            _sharded.read_shards(target, shards)
+            _sharded.read_shards(target, shards)  # damage: a CheckpointError marked so
             state = cast(Mapping[str, object], _sharded.filled(state, shards))
-        except Exception as err:
-            error = files.damaged(CheckpointError(f"{target}: unreadable (its shards are "
-                                                  f"incomplete or corrupt): {err}"))  # fmt: skip
-            error.__cause__ = err
+        except Exception as err:  # the machine's (a failed collective, out of memory)
+            error = _as_checkpoint_error(err, target)
     try:
         if target is not None and error is None:
             state = check_file(pieces, state, target, reseed)

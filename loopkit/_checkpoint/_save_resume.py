@@ -272,14 +272,14 @@ class Checkpointer:
         the skipped moved aside, with a ``ResumeWarning`` naming each and its error (also in
         ``ckpt.damaged``). Refused while another live job owns the directory (docs/clusters.md).
         """
-        with _owner.claimed(self.directory):
+        with _owner.claimed(self.directory, self, create=False):
             return _resumed(self, None if path is None else Path(path), reseed, skip_damaged)
 
     def close(self) -> None:
         """Wait for the save in flight, then give the directory up: another job may write it
         (``distributed.teardown`` and the process's exit give it up too). Every rank calls it."""
         self.wait()
-        _owner.release(self.directory)
+        _owner.release(self.directory, self)
 
     def epochs(self, total: int) -> Iterator[int]:
         """The epochs of ``loader=`` left of ``total`` (none for a finished run, none past its
@@ -294,7 +294,7 @@ class Checkpointer:
 
 def _write_now(ckpt: Checkpointer, before_code: bool) -> Path | None:
     """``save()``, refused while another job owns the directory (``_owner``)."""
-    with _owner.claimed(ckpt.directory):
+    with _owner.claimed(ckpt.directory, ckpt):
         return _written_now(ckpt, before_code)
 
 

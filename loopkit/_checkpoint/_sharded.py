@@ -40,6 +40,7 @@ import torch
 from .. import _ranks
 from .._errors import CheckpointError
 from . import _files as files
+from . import _unreadable
 from ._background import Background, staged
 
 PLACEHOLDER = "__loopkit_dcp__"
@@ -225,8 +226,11 @@ def filled(saved: object, tensors: dict[str, torch.Tensor]) -> object:
 
 def read_shards(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Read the shards of ``tensors`` (by DCP key) from ``directory`` into them, resharded to
-    their layout; every rank calls it (a collective). A failure on any rank raises an
-    ``OSError`` on every rank (DCP's own exception derives from BaseException)."""
+    their layout; every rank calls it (a collective). A failure on any rank raises on every
+    rank (DCP's own exception derives from BaseException and holds every rank's failure):
+    a CheckpointError marked damaged where every failure shows damage (a shard missing or
+    cut short, the metadata unreadable), else the first failure of the machine (an I/O
+    error, out of memory) as it is."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -236,7 +240,25 @@ def read_shards(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
             with single_process_read():
                 load(tensors, checkpoint_id=str(directory), no_dist=not _ranks.initialized())
         except CheckpointException as err:
-            raise OSError(f"reading the shards failed: {_first_failure(err)}") from err
+            failures = getattr(err, "failures", None)
+            failures = failures if isinstance(failures, dict) else {}
+            if _unreadable.dcp_damage(failures):
+                raise files.damaged(CheckpointError(
+                    f"{directory}: unreadable (its shards are incomplete or corrupt): "
+                    f"{_first_failure(err)}"
+                )) from err  # fmt: skip
+            raise _machine_failure(failures) or CheckpointError(
+                f"{directory}: cannot read its shards: {_first_failure(err)}"
+            ) from err
+
+
+def _machine_failure(failures: dict[int, object]) -> BaseException | None:
+    """The first rank's failure that is the machine's (I/O, memory), to raise as it is."""
+    for _, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(exc, Exception) and _unreadable.of_the_machine(exc):
+            return exc
+    return None
 
 
 @contextlib.contextmanager

@@ -24,21 +24,39 @@ PREEMPTED = 75
 
 
 def exit_status(preempted: bool) -> int:
-    """``PREEMPTED`` for a run a signal stopped, else 0; 0 under a torchelastic agent
-    (torchrun, ``accelerate launch``), which takes any other status for a failure."""
+    """``PREEMPTED`` for a run a signal stopped, else 0; 0 under a launcher that takes any
+    other status for a failure (torchrun's agent, ``accelerate launch``), with a warning."""
     if not preempted:
         return 0
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A worker's non-zero status makes torchrun restart the group (--max-restarts) or
-        # exit 1; the scheduler never sees it. The launch script knows it sent the signal.
+    launcher = _failing_launcher()
+    if launcher is not None:
+        # The launcher turns a worker's non-zero status into a failure; the scheduler never
+        # sees it. The launch script knows it sent (or trapped) the signal.
         warnings.warn(
-            "until.exit_status is 0 under torchrun: its agent takes any other status for a "
-            "failure (a restart with --max-restarts, else exit 1). Decide the requeue in the "
-            "launch script, from the signal it received (docs/clusters.md)",
+            f"until.exit_status is 0 under {launcher}: it takes any other status for a "
+            "failure, so 75 would never reach the scheduler. Decide the requeue in the "
+            "launch script from the signal it trapped (trap 'requeue=1' USR1 TERM, then "
+            "requeue when it is set and the launcher exited 0; docs/clusters.md)",
             stacklevel=3,
         )
         return 0
     return PREEMPTED
+
+
+def _failing_launcher() -> str | None:
+    """The launcher of this process that takes any non-zero status for a failure, if any.
+
+    torchrun's agent sets ``TORCHELASTIC_RUN_ID`` (a non-zero status restarts the group with
+    ``--max-restarts``, else it exits 1). ``accelerate launch`` runs one process directly,
+    not under torchrun, and raises ``CalledProcessError`` (exit 1) on any non-zero status;
+    it sets ``ACCELERATE_MIXED_PRECISION`` in the child in every mode (one process, several
+    through torchrun, DeepSpeed, multi-CPU).
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun (TORCHELASTIC_RUN_ID is set)"
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return "accelerate launch (ACCELERATE_MIXED_PRECISION is set)"
+    return None
 
 
 def resolve_signals(signals: Iterable[SignalLike]) -> tuple[signal.Signals, ...]:

@@ -127,7 +127,8 @@ class until:
 
     @property
     def exit_status(self) -> int:
-        """75 (EX_TEMPFAIL: saved, requeue me) after a signal's stop, else 0; 0 under torchrun."""
+        """75 (EX_TEMPFAIL: saved, requeue me) after a signal's stop, else 0; 0 (and a
+        warning) under torchrun or ``accelerate launch``, which take 75 for a failure."""
         return exit_status(self.preempted)
 
     def check(self) -> bool:

@@ -39,9 +39,12 @@ class FsdpOptions:
         return {**self._common(), "reshard_after_forward": reshard}
 
     def root(self) -> dict[str, Any]:
-        """Keywords for the root: the user's value, or fully_shard's (the root keeps its
-        parameters after the forward, as the backward starts with them)."""
-        return {**self._common(), "reshard_after_forward": self.reshard_after_forward}
+        """Keywords for the root: the user's value; else none, so the root gets fully_shard's
+        own default, which keeps its parameters after the forward (the backward starts with
+        them) on every torch: 2.6/2.7 default True and never reshard the root after its
+        forward, 2.8+ default None (False for the root). torch < 2.8 refuses None itself."""
+        given = {"reshard_after_forward": self.reshard_after_forward}
+        return {**self._common(), **{k: v for k, v in given.items() if v is not None}}
 
 
 def _fsdp_class(name: str) -> Any:
@@ -162,8 +165,20 @@ def _param_dtypes(model: Any) -> set[Any]:
     found = set()
     for m in unwrap(model).modules():
         if isinstance(m, fsdp2):
-            policy = getattr(m._get_fsdp_state(), "_mp_policy", None)
-            dtype = getattr(policy, "param_dtype", None)
+            # torch has no public getter: FSDPState._mp_policy (2.6 to 2.13, checked by
+            # tests/parallel/test_fsdp_options.py). Gone, the check would pass silently: say so.
+            state = m._get_fsdp_state()
+            if not hasattr(state, "_mp_policy"):
+                warnings.warn(
+                    f"loopkit cannot read the FSDP2 MixedPrecisionPolicy on torch "
+                    f"{torch.__version__} (FSDPState._mp_policy is gone), so precision= is not "
+                    "checked against its param_dtype: give both one dtype yourself, and "
+                    "report this to loopkit",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                return set()
+            dtype = getattr(state._mp_policy, "param_dtype", None)
             if dtype is not None:
                 found.add(dtype)
     return found

@@ -11,7 +11,9 @@ one module (or one tensor, with ``init=``) at a time, never the whole model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._job import info
 from .._types import DeviceLike
+from . import _other_inits
 
 Init = Callable[[nn.Module], object]
 _Slot = tuple[nn.Module, str, str, bool]  # module, its name in the model, tensor name, is_param
@@ -79,6 +82,11 @@ def check(model: nn.Module, init: Init | None) -> bool:
                 "already holds its values: drop init=, or build the model on the meta device"
             )
         return False
+    for slot in _slots(model):
+        placements = getattr(_tensor(slot), "placements", None)  # a DTensor's (sharded)
+        if placements is not None and not _splits_locally():
+            for placement in placements:
+                _placement_kind(placement, _where(slot))
     if init is None:
         _check_own_init(model)
     return True
@@ -86,7 +94,9 @@ def check(model: nn.Module, init: Init | None) -> bool:
 
 def _check_own_init(model: nn.Module) -> None:
     """Each module holding tensors has a ``reset_parameters()`` that writes them all and no
-    other module's: a dry run on meta tensors (no values, no draws) records its writes."""
+    other module's: a dry run on meta tensors (no values, no draws) records its writes; and
+    the model initializes itself no other way (``_other_inits``)."""
+    _other_inits.refuse_other_inits(model)
     slots = _slots(model)
     owners: dict[int, str] = {}
     for slot in slots:
@@ -159,13 +169,65 @@ def _keep_my_part(target: torch.Tensor, full: torch.Tensor) -> None:
 
     with torch.no_grad():
         if isinstance(target, DTensor):
-            # src_data_rank=None: each rank splits its own copy, no communication. On a GPU
-            # mesh the whole tensor is copied there first (one tensor at a time).
-            part = distribute_tensor(full, target.device_mesh, target.placements,
-                                     src_data_rank=None).to_local()  # fmt: skip
-            target.to_local().copy_(part)
+            local = target.to_local()
+            if _splits_locally():
+                # src_data_rank=None: each rank splits its own copy, no communication. On a
+                # GPU mesh the whole tensor is copied there first (one tensor at a time).
+                part = distribute_tensor(full, target.device_mesh, target.placements,
+                                         src_data_rank=None).to_local()  # fmt: skip
+            else:
+                part = _my_slice(full, target.device_mesh, target.placements)
+            if part.shape != local.shape:  # copy_ would broadcast a 1-row part silently
+                raise RuntimeError(
+                    f"this rank's part of a {tuple(full.shape)} tensor is {tuple(part.shape)} "
+                    f"but its shard is {tuple(local.shape)}: the placements "
+                    f"{target.placements} split it otherwise than this torch's DTensor does"
+                )
+            local.copy_(part)
         else:
             target.copy_(full)
+
+
+@functools.cache
+def _splits_locally() -> bool:
+    """Whether ``distribute_tensor`` splits without communication (``src_data_rank=None``,
+    torch >= 2.7); older torch: ``_my_slice``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+def _my_slice(full: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> torch.Tensor:
+    """This rank's part of ``full`` under ``placements`` (``Replicate`` or ``Shard``), as
+    DTensor splits: per mesh dimension, ``torch.chunk``'s pieces (ceil-sized, the last ones
+    short or empty) along the shard dimension, the piece at this rank's mesh coordinate."""
+    coordinate = mesh.get_coordinate()
+    part = full
+    for i, placement in enumerate(placements):
+        if _placement_kind(placement, "a tensor") == "replicate":
+            continue
+        dim = placement.dim % full.ndim
+        length, pieces = part.size(dim), mesh.size(i)
+        size = -(-length // pieces)  # torch.chunk's piece size
+        start = min(coordinate[i] * size, length)
+        part = part.narrow(dim, start, min(size, length - start))
+    return part
+
+
+def _placement_kind(placement: object, where: str) -> str:
+    """``"replicate"`` or ``"shard"``: the placements ``_my_slice`` splits by; refuses others."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(placement, Replicate):
+        return "replicate"
+    if type(placement) is Shard:
+        return "shard"
+    raise ValueError(
+        f"{where} is placed {placement!r}: materializing it needs torch >= 2.7 "
+        "(distribute_tensor's src_data_rank=None); this torch's fallback splits Shard(dim) "
+        "and Replicate() only: "
+        "upgrade torch, or pass a model sharded by FSDP2 alone"
+    )
 
 
 def _own_init(model: nn.Module) -> None:
@@ -268,7 +330,9 @@ def materialize(
 
     ``init=None``: each module holding tensors runs its own ``reset_parameters()`` (as every
     ``torch.nn`` layer does when built), in ``model.modules()`` order; ``init=fn``: ``fn(model)``
-    instead, on the sharded model (as torchtitan's ``init_weights``). Either way each random
+    instead, on the sharded model (as torchtitan's ``init_weights``); a model that
+    initializes itself otherwise (``_init_weights``, ``post_init``...) needs ``init=``, and
+    is refused without it, before anything changes. Either way each random
     draw is made on the CPU over the whole tensor and each rank keeps its part, so the values
     equal the model built on the CPU with the same seed. A model that cannot be initialized
     fully is refused before anything changes; if ``init`` fails, the model is left on meta.

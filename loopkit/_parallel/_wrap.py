@@ -50,9 +50,10 @@ def wrap(
     ``pin_memory=False`` on a CPU job), ``mesh=`` (a ``DeviceMesh`` of every rank: 1-D shards,
     2-D is HSDP over its first dimension; not with ``replicate=``) and
     ``reshard_after_forward=`` (True, False, or a group size to reshard to): given, each block
-    and the root get it; by default each block but the last reshards after its forward and
-    the root keeps its parameters, as torchtitan does. Single-process they are checked and do
-    nothing (``mp_policy=`` warns: the model computes in its own dtype).
+    and the root get it (torch < 2.8 keeps the root's parameters whatever is given); by
+    default each block but the last reshards after its forward and the root keeps its
+    parameters (fully_shard's own default), as torchtitan does. Single-process they are
+    checked and do nothing (``mp_policy=`` warns: the model computes in its own dtype).
 
     A model built under ``torch.device("meta")`` is sharded there, then materialized on
     this process's device (one process: there; DDP: whole on each rank) and initialized by

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import pickle
 import random
@@ -387,6 +388,7 @@ def _train_until(run: dict[str, Any], updates: int, save_every: int | None = Non
 
 def _everything(run: dict[str, Any], directory: Path) -> dict[str, Any]:
     """All that a resume may touch, copied: weights, optimizer, counters, data, RNG, files."""
+    gc.collect()  # an earlier run's Checkpointer, collected, gives its owner record up now
     loader, ckpt = run["loader"], run["ckpt"]
     return {
         "weights": params(run["model"]),

@@ -4,11 +4,13 @@ that does not fit the run is never skipped; without the opt-in the error names i
 
 from __future__ import annotations
 
+import errno
 import random
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_bit_equal, params
@@ -16,7 +18,7 @@ from torch import nn
 
 import loopkit
 from loopkit import distributed
-from loopkit._checkpoint import _owner
+from loopkit._checkpoint import _files, _owner, _sharded, _unreadable
 
 
 @pytest.fixture(autouse=True)
@@ -189,3 +191,155 @@ def test_sharded_on_two_ranks_every_rank_skips_alike(dist_results: dict[str, Any
         assert "host node-b, pid 4242" in found["owned"] and "Slurm job 77" in found["owned"]
         assert found["owned"] == ranks[0]["owned"]
         assert found["owned_left"] == [".loopkit-owner-0000000001"]
+
+
+_MACHINE_ERRORS = {
+    "EIO": OSError(errno.EIO, "Input/output error"),
+    "ESTALE": OSError(errno.ESTALE, "Stale file handle"),
+    "EMFILE": OSError(errno.EMFILE, "Too many open files"),
+    "MemoryError": MemoryError(),
+    "host_oom": RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                             "can't allocate memory: you tried to allocate 8589934592 bytes."),
+    "cuda_oom": RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(_MACHINE_ERRORS))
+def test_an_error_of_the_machine_is_raised_as_it_is_and_nothing_is_skipped(
+    kind: str,
+    saved: tuple[Path, list[torch.Tensor]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading the whole newest fails on an I/O error or out of memory: skip_damaged raises
+    that very error, moves nothing aside, loads nothing; the next resume takes the newest."""
+    shutil.copytree(saved[0], tmp_path / "a")
+    newest = tmp_path / "a" / "ckpt-0000000008.pt"
+    failure, real, calls = _MACHINE_ERRORS[kind], torch.load, []
+
+    def flaky(f: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(str(f))
+        if len(calls) == 1 and str(f) == str(newest):
+            raise failure
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(_files.torch, "load", flaky)
+    run = _run(tmp_path / "a")
+    with pytest.raises(type(failure)) as info:
+        run["ckpt"].resume(skip_damaged=True)
+    assert info.value is failure and calls == [str(newest)]
+    assert run["ckpt"].damaged == [] and run["step"].updates == 0
+    assert not list((tmp_path / "a").glob("abandoned-*")) and newest.is_file()
+    assert run["ckpt"].resume(skip_damaged=True) == newest and run["step"].updates == 8
+
+
+class _Best:
+    """A user's tracker whose state holds a numpy number once set."""
+
+    def __init__(self) -> None:
+        self.best: object = None
+
+    def state_dict(self) -> dict[str, object]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.best = state["best"]
+
+
+def test_a_numpy_number_in_an_extra_state_is_refused_not_skipped(tmp_path: Path) -> None:
+    """A whole newest checkpoint holding a numpy scalar (weights_only refuses it): the
+    opt-in raises the refusal naming it and the fix, skips nothing, moves nothing."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step, best = loopkit.step(model, opt), _Best()
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, step=step, extra={"best": best})
+    for i in range(3):
+        with step as s:
+            s.backward(model(torch.ones(3, 2)).sum())
+        best.best = np.float64(0.5) if i == 2 else None
+        ckpt.save()
+    _owner._RELEASER.release_all()
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt)
+    again = loopkit.Checkpointer(tmp_path, model=model, step=step, extra={"best": _Best()})
+    with pytest.raises(loopkit.CheckpointError, match=r"ckpt-0000000003.pt: refused: it holds "
+                       r"a numpy.*multiarray.scalar.*the file is whole.*float\(x\)"):  # fmt: skip
+        again.resume(skip_damaged=True)
+    assert again.damaged == [] and step.updates == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "ckpt-0000000001.pt", "ckpt-0000000002.pt", "ckpt-0000000003.pt"]  # fmt: skip
+
+
+def test_a_pickle_naming_no_known_class_is_damage(
+    saved: tuple[Path, list[torch.Tensor]], tmp_path: Path
+) -> None:
+    """A byte garbled in a class's name inside the pickle (no such class here): damage, not
+    a refusal of readable content; the opt-in skips it."""
+    shutil.copytree(saved[0], tmp_path / "a")
+    newest = tmp_path / "a" / "ckpt-0000000008.pt"
+    data = newest.read_bytes()
+    assert b"_rebuild_tensor_v2" in data
+    newest.write_bytes(data.replace(b"_rebuild_tensor_v2", b"_rebuild_tensor_v9"))
+    run = _run(tmp_path / "a")
+    with pytest.warns(loopkit.ResumeWarning, match="ckpt-0000000008.pt"):
+        assert run["ckpt"].resume(skip_damaged=True) == tmp_path / "a" / "ckpt-0000000006.pt"
+    assert [p.name for p, _ in run["ckpt"].damaged] == ["ckpt-0000000008.pt"]
+
+
+def _dcp_saved(root: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint of two tensors in ``root`` (one process), and templates to read."""
+    from torch.distributed.checkpoint import save
+
+    with _sharded.single_process_read():
+        save({"a": torch.arange(6.0), "b": torch.ones(3)}, checkpoint_id=str(root),
+             no_dist=True)  # fmt: skip
+    return {"a": torch.zeros(6), "b": torch.zeros(3)}
+
+
+def _read(directory: Path, templates: dict[str, torch.Tensor]) -> None:
+    """Read a sharded checkpoint's metadata, then its shards, as resume does."""
+    damage = _unreadable.metadata_damage(directory)
+    if damage is not None:
+        raise _files.damaged(damage)
+    _sharded.read_shards(directory, templates)
+
+
+@pytest.mark.parametrize("where", ["read_data", "read_metadata"])
+@pytest.mark.parametrize("kind", ["EIO", "host_oom", "cuda_oom", "MemoryError"])
+def test_reading_shards_raises_the_machines_error_as_it_is(
+    kind: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading DCP's metadata or shards failing on I/O or memory (DCP wraps it in its own
+    exception): that error is raised as it is, not marked damaged."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    templates = _dcp_saved(tmp_path)
+    failure = _MACHINE_ERRORS[kind]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise failure
+
+    monkeypatch.setattr(FileSystemReader, where, failing)
+    with pytest.raises(type(failure)) as info:
+        _read(tmp_path, templates)
+    assert str(info.value) == str(failure) and not _files.is_damaged(info.value)
+
+
+@pytest.mark.parametrize("how", ["shard_deleted", "shard_truncated", "metadata", "no_metadata"])
+def test_reading_damaged_shards_is_damage(how: str, tmp_path: Path) -> None:
+    """A shard file missing or cut short, DCP's metadata overwritten or missing: a
+    CheckpointError marked damaged, naming the checkpoint."""
+    templates = _dcp_saved(tmp_path)
+    (shard,) = tmp_path.glob("*.distcp")
+    if how == "shard_deleted":
+        shard.unlink()
+    elif how == "shard_truncated":
+        shard.write_bytes(shard.read_bytes()[:40])
+    elif how == "metadata":
+        (tmp_path / ".metadata").write_bytes(b"\x80\x04not metadata" * 8)
+    else:
+        (tmp_path / ".metadata").unlink()
+    with pytest.raises(loopkit.CheckpointError, match="unreadable") as info:
+        _read(tmp_path, templates)
+    assert _files.is_damaged(info.value) and str(tmp_path) in str(info.value)

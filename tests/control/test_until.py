@@ -99,6 +99,7 @@ def test_exit_status_says_preempted_only_where_the_scheduler_reads_it(
     """75 after a signal's stop, 0 after a limit's or before any stop; under a torchelastic
     agent (which restarts or fails on a non-zero status) 0, with a warning saying why."""
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     model, step = _step()
     limited = loopkit.until(step, max_updates=1, signals=())
     assert limited.exit_status == 0
@@ -113,6 +114,24 @@ def test_exit_status_says_preempted_only_where_the_scheduler_reads_it(
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     with pytest.warns(UserWarning, match="0 under torchrun.*launch script"):
         assert stop.exit_status == 0
+
+
+def test_exit_status_is_0_under_accelerate_launch_without_torchrun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`accelerate launch` with one process (no torchrun: TORCHELASTIC_RUN_ID unset, but
+    ACCELERATE_MIXED_PRECISION set as in every mode) fails on 75: exit_status 0, warning why."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    model, step = _step()
+    with loopkit.until(step, check_every=1, signals=("SIGUSR1",)) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        _micro(model, step)
+        assert stop.check() and stop.preempted
+    with pytest.warns(UserWarning, match="0 under accelerate launch.*trapped"):
+        assert stop.exit_status == 0
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    assert stop.exit_status == 75
 
 
 def test_max_time_counts_from_the_injected_clock() -> None:

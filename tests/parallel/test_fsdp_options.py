@@ -51,6 +51,20 @@ def test_fsdp_options_without_fsdp_are_refused(option: dict[str, Any]) -> None:
              f"{name}= is an option of FSDP2.*give fsdp=BlockClass", model)  # fmt: skip
 
 
+def test_no_fully_shard_keyword_is_none() -> None:
+    """torch < 2.8 refuses reshard_after_forward=None: the root gets no such keyword unless
+    given (fully_shard's own default: the root keeps its parameters on every torch), each
+    block a bool, and a given value reaches the root."""
+    from loopkit._parallel._fsdp_options import FsdpOptions
+
+    for given in (None, True, False, 2):
+        options = FsdpOptions(reshard_after_forward=given, mp_policy=BF16)
+        calls = [options.block(i, 3) for i in range(3)] + [options.root()]
+        assert all(v is not None for kw in calls for v in kw.values()), calls
+        assert options.root() == ({"mp_policy": BF16} if given is None else
+                                  {"mp_policy": BF16, "reshard_after_forward": given})  # fmt: skip
+
+
 def test_ddp_keywords_with_fsdp_are_refused() -> None:
     """DDP's keywords with fsdp= were silently dropped: now a TypeError naming them and
     FSDP2's options."""
@@ -192,6 +206,35 @@ def test_precision_over_a_policy_of_another_dtype_is_refused(
     with pytest.raises(ValueError, match=f"precision='{precision}' autocasts.*{fix}"):
         loopkit.step(model, opt, precision=precision)
     loopkit.step(model, opt, precision=fix.split("'")[1])  # nothing was bound
+
+
+def test_the_policy_is_read_from_this_torchs_fsdp2(process_group: None) -> None:
+    """check_precision reads FSDP2's private FSDPState._mp_policy (no public getter): it is
+    there on this torch, with the policy given, and read without a warning; a torch that
+    renames it would fail here rather than skip the check silently."""
+    from loopkit._parallel._fsdp_options import _param_dtypes
+
+    model = _sharded(FP16)
+    assert model._get_fsdp_state()._mp_policy is FP16  # type: ignore[operator]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _param_dtypes(model) == {torch.float16}
+
+
+def test_a_policy_it_cannot_read_warns(
+    process_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch whose FSDP2 state holds no _mp_policy: the step warns that precision= is not
+    checked against the policy (instead of passing silently), and is built."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    model = _sharded(FP16)
+    for m in model.modules():
+        if hasattr(m, "_get_fsdp_state"):
+            monkeypatch.delattr(m._get_fsdp_state(), "_mp_policy")
+    assert not hasattr(FSDPState, "_mp_policy")
+    with pytest.warns(UserWarning, match="cannot read the FSDP2 MixedPrecisionPolicy"):
+        loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
 
 
 def test_a_float16_policy_without_loss_scaling_warns(process_group: None) -> None:
