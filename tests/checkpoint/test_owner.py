@@ -203,12 +203,8 @@ def _race(directory: str, go: Any, out: Any, end: Any) -> None:
         os._exit(0)
 
 
-def test_jobs_racing_for_a_stale_directory_exactly_one_wins(tmp_path: Path) -> None:
-    """Four jobs take a dead job's directory over at the same moment: exactly one gets it,
-    each other one is refused naming the winner."""
-    proc, _, pid = _other_job(tmp_path)
-    os.kill(pid, signal.SIGKILL)
-    proc.join(30)
+def _race_four(tmp_path: Path) -> list[Any]:
+    """Four forked jobs claim ``tmp_path`` at the same moment: each one's (pid, refusal, fresh)."""
     go, out, end = _FORK.Event(), _FORK.Queue(), _FORK.Event()
     racers = [_FORK.Process(target=_race, args=(str(tmp_path), go, out, end)) for _ in range(4)]
     for r in racers:
@@ -218,6 +214,16 @@ def test_jobs_racing_for_a_stale_directory_exactly_one_wins(tmp_path: Path) -> N
     end.set()
     for r in racers:
         r.join(30)
+    return results
+
+
+def test_jobs_racing_for_a_stale_directory_exactly_one_wins(tmp_path: Path) -> None:
+    """Four jobs take a dead job's directory over at the same moment: exactly one gets it,
+    each other one is refused naming the winner."""
+    proc, _, pid = _other_job(tmp_path)
+    os.kill(pid, signal.SIGKILL)
+    proc.join(30)
+    results = _race_four(tmp_path)
     winners = [(p, fresh) for p, refusal, fresh in results if refusal is None]
     assert len(winners) == 1 and winners[0][1], results
     for _, refusal, _ in results:
@@ -374,15 +380,7 @@ def test_racing_jobs_without_hard_links_one_wins(
 ) -> None:
     """Four jobs claim one directory at once on a filesystem without link(): one wins."""
     _no_links(monkeypatch)
-    go, out, end = _FORK.Event(), _FORK.Queue(), _FORK.Event()
-    racers = [_FORK.Process(target=_race, args=(str(tmp_path), go, out, end)) for _ in range(4)]
-    for r in racers:
-        r.start()
-    go.set()
-    results = [out.get(timeout=60) for _ in racers]
-    end.set()
-    for r in racers:
-        r.join(30)
+    results = _race_four(tmp_path)
     assert [fresh for _, refusal, fresh in results if refusal is None] == [True], results
     assert _records(tmp_path) == [".loopkit-owner-0000000001"]
 

@@ -127,6 +127,17 @@ def _tied() -> nn.Module:
     return model
 
 
+def _refused_unchanged(model: nn.Module, through: str, match: str, message: str) -> None:
+    """``wrap`` or ``materialize`` refuses ``model`` with ``message``; it stays on meta and the
+    generator where it was."""
+    state = torch.get_rng_state()
+    call = distributed.wrap if through == "wrap" else distributed.materialize
+    with pytest.raises(ValueError, match=match) as raised:
+        call(model)
+    assert message in str(raised.value), str(raised.value)
+    assert _still_meta(model) and torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -148,12 +159,7 @@ def test_refused_without_init_before_anything_changes(
     generator where it was."""
     with torch.device("meta"):
         model = build()
-    state = torch.get_rng_state()
-    call = distributed.wrap if through == "wrap" else distributed.materialize
-    with pytest.raises(ValueError, match="init=fn") as raised:
-        call(model)
-    assert message in str(raised.value), str(raised.value)
-    assert _still_meta(model) and torch.equal(torch.get_rng_state(), state)
+    _refused_unchanged(model, through, "init=fn", message)
 
 
 def test_init_makes_the_refused_models_work() -> None:
@@ -399,12 +405,7 @@ def test_a_model_that_initializes_itself_otherwise_is_refused_without_init(
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nn.Transformer's nested-tensor note
         model = build()
-    state = torch.get_rng_state()
-    call = distributed.wrap if through == "wrap" else distributed.materialize
-    with pytest.raises(ValueError, match="init=") as raised:
-        call(model)
-    assert message in str(raised.value), str(raised.value)
-    assert _still_meta(model) and torch.equal(torch.get_rng_state(), state)
+    _refused_unchanged(model, through, "init=", message)
 
 
 def test_nanogpt_refusal_shows_the_fix() -> None:
