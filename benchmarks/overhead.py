@@ -2,9 +2,12 @@
 
 The same training (model, data, seed, accumulation of 4, optional clipping) written five
 ways, run interleaved in one process on one CPU thread: median microseconds per
-micro-step over repeated runs, and each contender's ratio to the hand-written loop
-measured in the same run. The loopkit runs must end with parameters bit-identical to
-the hand-written run (checked before timing; a mismatch aborts).
+micro-step over repeated rounds, and each contender's ratio to the hand-written loop: the
+median over rounds of the two runs' ratio in the same round. The loopkit runs must end
+with parameters bit-identical to the hand-written run (checked before timing; a mismatch
+aborts). Two pairs clip at CLIP whatever ``--clip`` (``loopkit.step, clipped`` against
+``hand-written, clipped``; the whole stack against the same stack by hand), and the step's
+log call is timed where it runs in the loop; the last lines say which goals are met.
 
     python benchmarks/overhead.py [--quick] [--json] [--clip]
 
@@ -136,21 +139,35 @@ CONTROL_SECONDS: list[float] = []
 """Seconds per micro-step spent in until.check() and cadence.due(), one entry per run."""
 
 
-class TimedLog(loopkit.detach_logging):
-    """A detach_logging whose recording is timed where it runs (into LOG_SECONDS)."""
+_RECORD, _RECORD_ONE = loopkit.detach_logging.record, loopkit.detach_logging._record_one
 
-    spent = 0.0
+
+_SPENT = [0.0]  # not a class attribute: writing one would bump the class's version each
+# call and turn off the interpreter's attribute caches for the log being timed
+
+
+class TimedLog(loopkit.detach_logging):
+    """A detach_logging whose recording (a step's per-micro-step call, or ``record``; the
+    flushes they make included) is timed where it runs, into ``_SPENT``, less the clock's
+    own cost (two clock reads with nothing between, timed alike)."""
 
     def record(self, metrics: Any) -> None:
         clock = time.perf_counter
         t0 = clock()
-        t1 = clock()  # the timer's own cost: subtracted below
-        super().record(metrics)
-        TimedLog.spent += (clock() - t1) - (t1 - t0)
+        t1 = clock()
+        _RECORD(self, metrics)
+        _SPENT[0] += (clock() - t1) - (t1 - t0)
+
+    def _record_one(self, name: str, v: torch.Tensor) -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        t1 = clock()
+        _RECORD_ONE(self, name, v)
+        _SPENT[0] += (clock() - t1) - (t1 - t0)
 
 
 LOG_SECONDS: list[float] = []
-"""Seconds per micro-step spent recording the log (the record call, flushes included)."""
+"""Seconds per micro-step spent recording the log (the step's call, flushes included)."""
 
 
 def loopkit_logged(
@@ -169,7 +186,7 @@ def loopkit_logged(
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null:
         sink = loopkit.CSVSink(os.path.join(tmp, "m.csv")) if tracked else None
         log = TimedLog(every=50, sink=sink) if logged else None
-        TimedLog.spent = 0.0
+        _SPENT[0] = 0.0
         step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip, log=log)
         batches = [data[i % len(data)] for i in range(steps)]
         with contextlib.redirect_stderr(null):
@@ -177,7 +194,7 @@ def loopkit_logged(
                 with step as s:
                     s.backward(nn.functional.mse_loss(model(x), y))
         if logged and not tracked:
-            LOG_SECONDS.append(TimedLog.spent / steps)
+            LOG_SECONDS.append(_SPENT[0] / steps)
 
 
 def accelerate_loop(
@@ -230,16 +247,19 @@ def fabric_loop(
             opt.zero_grad(set_to_none=True)
 
 
-EMA_DECAY, LOG_EVERY = 0.999, 50
+EMA_DECAY, LOG_EVERY, CLIP = 0.999, 50, 1.0
 
 
 def hand_full(
     model: nn.Module, data: list[Batch], steps: int, prec: str, clip: float | None
 ) -> None:
-    """Everything a real run turns on, by hand: clipping, a scheduler, an EMA loop over the
-    parameters, the loss read with .item() every 50 micro-steps into a CSV file, a tqdm bar,
-    a time limit and a validation cadence checked every micro-step (never firing)."""
+    """Everything a real run turns on, by hand: clipping (at CLIP, whatever ``clip``), a
+    scheduler, an EMA loop over the parameters, the loss read with .item() every 50
+    micro-steps into a CSV file, a tqdm bar, a time limit and a validation cadence checked
+    every micro-step (never firing)."""
     import csv
+
+    clip = CLIP if clip is None else clip
 
     from tqdm import tqdm
 
@@ -283,6 +303,7 @@ def loopkit_full(
 ) -> None:
     """The same with loopkit: step(clip, scheduler, log= with a CSV sink, ema=), iterate
     with progress=True, until (time limit) and cadence, and the misuse guards."""
+    clip = CLIP if clip is None else clip
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.9)
     average = loopkit.ema(model, decay=EMA_DECAY)
@@ -315,7 +336,17 @@ def loopkit_ema(
             s.backward(nn.functional.mse_loss(model(x), y))
 
 
+def clipped(runner: Runner) -> Runner:
+    """``runner`` clipping at CLIP whatever the run's ``clip`` (the clipped pair's rows)."""
+
+    def run(model: nn.Module, data: list[Batch], steps: int, prec: str, _: float | None) -> None:
+        runner(model, data, steps, prec, CLIP)
+
+    return run
+
+
 LOOP_CONTROL = "loopkit.step + until + cadence"
+HAND_CLIPPED, STEP_CLIPPED = "hand-written, clipped", "loopkit.step, clipped"
 ITERATED = "loopkit.step + iterate"
 LOGGED, TRACKED = "loopkit.step + iterate + log", "loopkit.step + iterate + log + CSV + progress"
 HAND_FULL, FULL = "hand-written, full stack", "loopkit, full stack"
@@ -323,6 +354,8 @@ CONTENDERS: dict[str, Runner] = {
     "hand-written": hand,
     "loopkit pieces": loopkit_pieces,
     "loopkit.step": loopkit_step,
+    HAND_CLIPPED: clipped(hand),
+    STEP_CLIPPED: clipped(loopkit_step),
     "loopkit.step + doctor": functools.partial(loopkit_step, with_doctor=True),
     LOOP_CONTROL: functools.partial(loopkit_step, with_loop_control=True),
     ITERATED: functools.partial(loopkit_logged, logged=False),
@@ -356,7 +389,7 @@ def check_parity(model_name: str, prec: str, clip: float | None) -> None:
     """loopkit's runs must end bit-identical to the hand-written run (the full stacks: to
     each other)."""
     data = make_data(model_name)
-    pairs = [(HAND_FULL, FULL)]
+    pairs = [(HAND_FULL, FULL), (HAND_CLIPPED, STEP_CLIPPED)]
     for ref_name, name in pairs:
         ref, model = build(model_name), build(model_name)
         CONTENDERS[ref_name](ref, data, 4 * N, prec, clip)
@@ -389,7 +422,8 @@ def time_once(
 
 def bench(
     model_name: str, prec: str, steps: int, repeats: int, clip: float | None, names: list[str]
-) -> dict[str, float]:
+) -> dict[str, list[float]]:
+    """Each contender's microseconds per micro-step, one sample per round (interleaved)."""
     data = make_data(model_name)
     for name in names:  # warm-up
         time_once(name, model_name, data, min(steps, 8 * N), prec, clip)
@@ -399,7 +433,22 @@ def bench(
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             samples[name].append(time_once(name, model_name, data, steps, prec, clip))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def ratio(samples: dict[str, list[float]], name: str, ref: str) -> float:
+    """The median over rounds of ``name``'s time over ``ref``'s in the same round: a drift of
+    the machine's speed between rounds cancels out."""
+    return statistics.median(a / b for a, b in zip(samples[name], samples[ref], strict=True))
+
+
+# The goals (issue 44), each a ratio (or microseconds) and its bound: name -> (row, key, bound)
+GOALS = {
+    "loopkit.step / hand loop": ("loopkit.step", "ratio", 1.00),
+    "loopkit.step clipped / hand loop clipped": (STEP_CLIPPED, "ratio_to_hand_clipped", 1.02),
+    "whole stack / the same by hand": (FULL, "ratio_to_hand_full", 1.02),
+    "log= per micro-step, timed where it runs (us)": (LOGGED, "log_us", 3.0),
+}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -408,6 +457,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--clip", action="store_true", help="clip gradients at norm 1.0")
     parser.add_argument("--models", nargs="+", default=["tiny", "medium"], choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: per model)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     clip = 1.0 if args.clip else None
@@ -425,9 +475,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for prec in DTYPES:
             check_parity(model_name, prec, clip)
             steps, repeats = plan[model_name]
+            repeats = args.rounds or repeats
             CONTROL_SECONDS.clear()
             LOG_SECONDS.clear()
-            us = bench(model_name, prec, steps, repeats, clip, names)
+            samples = bench(model_name, prec, steps, repeats, clip, names)
+            us = {name: statistics.median(v) for name, v in samples.items()}
             control_us = statistics.median(CONTROL_SECONDS) * 1e6
             record_us = statistics.median(LOG_SECONDS) * 1e6
             for name in CONTENDERS:
@@ -435,13 +487,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 if name in us:
                     row |= {
                         "us_per_step": round(us[name], 2),
-                        "ratio": round(us[name] / us["hand-written"], 4),
+                        "ratio": round(ratio(samples, name, "hand-written"), 4),
                         "added_us": round(us[name] - us["hand-written"], 2),
                     }
                     if name == TRACKED:  # the tracker and the display: against the same log
-                        row["ratio_to_logged"] = round(us[name] / us[LOGGED], 4)
+                        row["ratio_to_logged"] = round(ratio(samples, name, LOGGED), 4)
+                    if name == STEP_CLIPPED:  # against the same clipping by hand
+                        row["ratio_to_hand_clipped"] = round(ratio(samples, name, HAND_CLIPPED), 4)
+                    if name == LOGGED:
+                        row["log_us"] = round(record_us, 3)
                     if name == FULL:  # the whole stack against the same stack by hand
-                        row["ratio_to_hand_full"] = round(us[name] / us[HAND_FULL], 4)
+                        row["ratio_to_hand_full"] = round(ratio(samples, name, HAND_FULL), 4)
                         row["pieces_us"] = {
                             "iterate": round(us[ITERATED] - us["loopkit.step"], 2),
                             "log": round(us[LOGGED] - us[ITERATED], 2),
@@ -451,7 +507,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                             "until + cadence (timed inside)": round(control_us, 3),
                         }
                     if name == LOOP_CONTROL:  # loop control's own cost: against the same step
-                        row["ratio_to_step"] = round(us[name] / us["loopkit.step"], 4)
+                        row["ratio_to_step"] = round(ratio(samples, name, "loopkit.step"), 4)
                         row["control_us"] = round(control_us, 3)
                         row["control_share"] = round(control_us / us["loopkit.step"], 5)
                 else:
@@ -500,6 +556,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     f"  {r['model']} {r['precision']}: {r['control_us']:.2f} us = "
                     f"{100 * r['control_share']:.2f}%; whole loop {r['ratio_to_step']:.3f}"
                 )
+        print("\nthe goals: measured (bound)")
+        for goal, (contender, key, bound) in GOALS.items():
+            for r in rows:
+                if r["contender"] == contender and r.get(key) is not None:
+                    met = "met" if r[key] <= bound else "NOT met"
+                    print(f"  {r['model']} {r['precision']}: {goal}: {r[key]:.3f} "
+                          f"({bound:.2f}) {met}")  # fmt: skip
     return rows
 
 

@@ -3,9 +3,11 @@
 A step's bookkeeping (its counters, autocast entered in one call and left in another, the
 guards that read the caller's frame) cannot live in a graph: traced, autocast's state to
 restore would be entered inside a graph and left outside it, and every counter change
-would be a guard and a recompile. Each entry point asks ``torch.compiler.is_compiling()``
-(one cheap call: an eager loop pays nothing more) and, while traced, runs itself through
-``eagerly``, a graph break; only the user's code between them (the forward) compiles.
+would be a guard and a recompile. Each entry point asks ``compiling()`` (dynamo's
+``is_dynamo_compiling``, which dynamo folds to True while tracing: in an eager loop one call
+that returns False, without ``torch.compiler.is_compiling``'s TorchScript check) and, while
+traced, runs itself through ``eagerly``, a graph break; only the user's code between them
+(the forward) compiles.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from typing_extensions import Self
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+compiling: Callable[[], bool] = getattr(
+    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling
+)
+"""Whether dynamo is tracing the caller (False in eager code)."""
 
 
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -52,7 +60,7 @@ class EagerUnderCompile(abc.ABC):
         """What ``__exit__`` does."""
 
     def __enter__(self) -> Self:
-        return eagerly(self._enter) if torch.compiler.is_compiling() else self._enter()
+        return eagerly(self._enter) if compiling() else self._enter()
 
     def __exit__(
         self,
@@ -60,7 +68,7 @@ class EagerUnderCompile(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        if torch.compiler.is_compiling():
+        if compiling():
             return eagerly(self._exit, exc_type, exc, tb)
         return self._exit(exc_type, exc, tb)
 

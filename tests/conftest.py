@@ -1,4 +1,10 @@
-"""Shared fixtures: deterministic, single-threaded torch so results compare bit for bit."""
+"""Shared fixtures: deterministic, single-threaded torch so results compare bit for bit.
+
+Two tiers: ``python -m pytest`` (CI) runs every test not marked ``deep``; ``LOOPKIT_DEEP=1
+python -m pytest`` runs them all (and draws more examples, kills more runs). Each file's
+tests run on one xdist worker, and the tests that read one shared ``torchrun`` launch too
+(``xdist_group``), so a module's or the session's launch runs once, not once per worker.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,44 @@ import torch.distributed as dist
 from loopkit import distributed
 
 torch.set_num_threads(1)
+
+# The session-wide launches (tests/conftest.py's, tests/invariants/conftest.py's): the fixture
+# a test reads -> the xdist group that runs all of that launch's readers on one worker.
+_LAUNCHES = {"dist_results": "launch-dist", "dist4_results": "launch-dist"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "deep: a slower variant CI leaves to LOOPKIT_DEEP=1 (helpers.deep)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the deep tier unless LOOPKIT_DEEP is set. Each test runs on its file's
+    worker (a module-scoped launch runs once), except the readers of a session-wide launch,
+    which share one worker."""
+    from helpers import DEEP
+
+    for item in items:
+        if item.get_closest_marker("dist_group"):
+            # The invariants' 2-rank launch (tests/invariants/conftest.py): deep. CI's
+            # processes run the top-level launch (dist_results) only.
+            item.add_marker(pytest.mark.deep)
+        names = getattr(item, "fixturenames", ())
+        group = item.nodeid.split("::")[0]
+        for fixture, launch in _LAUNCHES.items():
+            if fixture in names:
+                where = "invariants" if "tests/invariants/" in item.nodeid else "top"
+                group = f"{launch}-{where}"
+                break
+        item.add_marker(pytest.mark.xdist_group(group))
+    if DEEP:
+        return
+    deep = [item for item in items if item.get_closest_marker("deep")]
+    if deep:
+        config.hook.pytest_deselected(items=deep)
+        items[:] = [item for item in items if not item.get_closest_marker("deep")]
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,13 @@ from torch import nn
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 ROOT = Path(__file__).resolve().parent.parent
-DEEP = os.environ.get("LOOPKIT_DEEP", "").strip() not in ("", "0", "false", "False", "no")
-"""LOOPKIT_DEEP=1: the long runs (invariants' examples, kills of a crash test) go further."""
 """The repository's root (tests live in folders below tests/, helpers directly in it)."""
+DEEP = os.environ.get("LOOPKIT_DEEP", "").strip() not in ("", "0", "false", "False", "no")
+"""LOOPKIT_DEEP=1: the deep tier runs too (tests marked ``deep``), and the long runs
+(invariants' examples, kills of a crash test) go further."""
+deep = pytest.mark.deep
+"""A test CI leaves to the deep run (``LOOPKIT_DEEP=1``): a slower variant of what a CI test
+checks already (another model, cadence, launcher or world), or a measurement's own run."""
 
 # Imported from here, not from conftest: tests/invariants has a conftest.py of its own, and
 # whichever "conftest" module Python imports first would shadow the other.

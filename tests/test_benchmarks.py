@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, deep
+
+pytestmark = deep  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
 
 
 def test_checkpointing_benchmark_quick() -> None:
@@ -56,6 +58,8 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             "hand-written",
             "loopkit pieces",
             "loopkit.step",
+            "hand-written, clipped",
+            "loopkit.step, clipped",
             "loopkit.step + doctor",
             "loopkit.step + until + cadence",
             "loopkit.step + iterate",
@@ -70,6 +74,11 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
     }
     for r in rows:
         assert set(r) >= {"model", "precision", "contender", "us_per_step", "ratio"}
+        # The goals' columns (measured, not bounded here): each on its own row.
+        assert ("ratio_to_hand_clipped" in r) == (r["contender"] == "loopkit.step, clipped")
+        assert ("log_us" in r) == (r["contender"] == "loopkit.step + iterate + log")
+        if "log_us" in r:
+            assert r["log_us"] > 0
         if r["contender"] == "hand-written":
             assert r["ratio"] == 1.0
         if r["contender"].startswith("loopkit"):
@@ -244,3 +253,18 @@ def test_meta_init_benchmark_quick_rows() -> None:
     assert rows["whole first"]["peak_mib_per_rank"] >= rows["whole first"]["model_mib"]
     assert rows["meta"]["ratio_to_whole_first"] < 0.85
     assert rows["meta"]["same_shards_as_whole_first"] is True
+
+
+def test_host_bound_benchmark_quick_rows() -> None:
+    """host_bound.py --quick: loopkit's runs bit-identical to the hand loop (else it exits
+    non-zero), one row per contender against the limit (the hand loop on a CPU; a CUDA graph
+    of the whole step on a GPU, whose trained loss is finite)."""
+    rows = {r["contender"]: r for r in _json("benchmarks/host_bound.py", "--quick")}
+    names = {"hand-written", "loopkit.step", "hand-written, clipped", "loopkit.step, clipped"}
+    cuda = torch.cuda.is_available()
+    assert set(rows) == names | ({"CUDA graph (the limit)"} if cuda else set())
+    limit = "CUDA graph (the limit)" if cuda else "hand-written"
+    assert all(r["limit"] == limit and r["us_per_step"] > 0 for r in rows.values())
+    assert rows[limit]["ratio_to_limit"] == 1.0
+    if cuda:
+        assert torch.isfinite(torch.tensor(rows[limit]["last_loss"]))

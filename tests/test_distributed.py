@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, launch_env, mlp
+from helpers import ROOT, deep, launch_env, mlp
 
 import loopkit
 from loopkit import distributed
@@ -222,6 +222,7 @@ def single_process_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return _final_weights(out)
 
 
+@deep
 def test_example_two_processes_match_single_process(
     tmp_path: Path, single_process_weights: dict[str, torch.Tensor]
 ) -> None:
@@ -248,6 +249,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@deep
 def test_two_nodes_by_c10d_rendezvous_match_single_process(
     tmp_path: Path, single_process_weights: dict[str, torch.Tensor]
 ) -> None:

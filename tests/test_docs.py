@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, deep
 from test_api_reference import check_built_page
 
 DOCS = ROOT / "docs"
@@ -156,6 +156,7 @@ def test_the_benchmark_commands_of_the_docs_are_run_by_the_benchmark_tests() -> 
     assert found >= 4
 
 
+@deep
 def test_shell_blocks_rerun_over_their_own_output_and_leave_the_repository_clean() -> None:
     """The bash blocks (multi-process launches) run from the repository root as a second run
     would, over the files a first run left (stale ones here): each file is written anew and

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from clusters_recipes import recipe
-from helpers import DEEP, assert_close, kill_tree, launch_env
+from helpers import DEEP, assert_close, deep, kill_tree, launch_env
 
 import loopkit
 
@@ -34,7 +34,10 @@ SAMPLES, WINDOWS_PER_EPOCH, EPOCHS = 512, 8, 4  # global batch 32, accumulate=2
 # CI: one launch, one kill; LOOPKIT_DEEP=1: three launches of three kills (--max-restarts 3).
 LAUNCHES, KILLS = (3, 3) if DEEP else (1, 1)
 
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds workers in /proc")
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds workers in /proc"),
+    deep,  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
+]
 
 
 @dataclass

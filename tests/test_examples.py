@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, deep
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    "precision", [pytest.param("bf16", marks=deep), pytest.param("fp16", marks=deep), "fp32"]
+)
 def test_quickstart_loss_goes_down(precision: str) -> None:
     """examples/quickstart.py ends with a clearly lower loss than it started with."""
     proc = subprocess.run(
@@ -29,6 +31,7 @@ def test_quickstart_loss_goes_down(precision: str) -> None:
     assert last < 0.85 * first, proc.stdout
 
 
+@deep
 def test_gan_example_one_process_and_two_end_alike(tmp_path: Path) -> None:
     """examples/train_gan.py (fp32): under torchrun with 2 processes, the 1-process weights."""
     from helpers import launch_env
@@ -47,6 +50,7 @@ def test_gan_example_one_process_and_two_end_alike(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
+@deep
 def test_preloaded_example_builds_once_then_opens_and_learns(tmp_path: Path) -> None:
     """examples/train_preloaded.py: the first run builds the cache, the second opens it;
     one epoch over the batched cache (with batch-level flips) learns the task."""
@@ -62,6 +66,7 @@ def test_preloaded_example_builds_once_then_opens_and_learns(tmp_path: Path) -> 
         assert m and float(m.group(1)) > 0.8, proc.stdout
 
 
+@deep
 def test_accelerate_port_resumes_finished_and_two_processes_agree(tmp_path: Path) -> None:
     """examples/port_accelerate_clm.py: perplexity falls; relaunched after it finished, it
     resumes at its end and reports the same perplexity; under torchrun with 2 processes it
@@ -92,6 +97,7 @@ def test_accelerate_port_resumes_finished_and_two_processes_agree(tmp_path: Path
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
 
 
+@deep
 def test_quickstart_writes_a_csv_on_the_update_axis_and_it_plots(tmp_path: Path) -> None:
     """--csv: one row per flush at updates 50, 100, ... 300; plot_metrics draws it."""
     csv_path, png = tmp_path / "q.csv", tmp_path / "q.png"
@@ -109,6 +115,7 @@ def test_quickstart_writes_a_csv_on_the_update_axis_and_it_plots(tmp_path: Path)
     assert png.stat().st_size > 1000
 
 
+@deep
 def test_ema_example_validates_the_average_better_than_the_weights() -> None:
     """examples/train_ema.py: bf16 weights jittering at a high learning rate; at every
     validation but the first the fp32 average's loss is below the weights', and it averages

@@ -18,9 +18,11 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import ROOT, launch_env
+from helpers import ROOT, deep, launch_env
 
 from loopkit import _job
+
+pytestmark = deep  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
 
 ROUNDS = 6
 
@@ -31,6 +33,7 @@ _WORKER = f"""
 import datetime, os, time
 import torch, torch.distributed as dist
 from loopkit import distributed
+
 rank = int(os.environ["RANK"])
 for r in range({ROUNDS}):
     if r % 2 == rank:

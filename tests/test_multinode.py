@@ -26,9 +26,11 @@ from typing import Any
 import pytest
 import torch
 from clusters_recipes import recipe
-from helpers import assert_bit_equal, assert_close, launch_env
+from helpers import assert_bit_equal, assert_close, deep, launch_env
 
 import loopkit
+
+pytestmark = deep  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
 
 SCRIPT = "train_nodes.py"
 # Each print is one write, but another worker's may come between its text and its newline.

@@ -8,7 +8,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from helpers import ROOT
+from helpers import ROOT, deep
 
 DIST = "torch-loopkit"  # "loopkit" on the package index is someone else's package
 
@@ -45,6 +45,7 @@ def test_loopkit_lint_is_a_console_script_equal_to_the_module() -> None:
     assert by_script.stdout == by_module.stdout and "LK0" in by_script.stdout
 
 
+@deep
 def test_mypy_sees_loopkits_types_from_outside_the_checkout(tmp_path: Path) -> None:
     """After the README's editable install, mypy run elsewhere finds py.typed and the real
     signature of loopkit.step (not a missing module or Any)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import deep
 
 from loopkit import distributed
 from loopkit._slurm import hosts, is_step_task, srun_env, tasks_per_node
@@ -326,6 +327,7 @@ def newest_weights(directory: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state["model"].items()}
 
 
+@deep
 def test_the_slurm_recipe_stops_saves_exits_75_requeues_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:
@@ -359,6 +361,7 @@ def test_the_slurm_recipe_stops_saves_exits_75_requeues_and_resumes_exactly(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@deep
 def test_the_torchrun_recipe_signals_the_workers_torchrun_exits_0_and_requeues(
     tmp_path: Path,
 ) -> None:

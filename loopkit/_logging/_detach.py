@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast, overload
 
@@ -20,6 +21,7 @@ from .._types import Reduction, Sink
 from . import _log_state
 from ._delivery import Delivery, as_sinks
 from ._exchange import reduce_across_ranks
+from ._recording import flush_call, record_checked, record_one, take_back
 from ._reductions import NUMBER, REDUCTIONS, Kind, Value, reduce_local
 from ._sinks import print_sink
 
@@ -72,11 +74,7 @@ class detach_logging(_log_state.LogState):
         sync_ranks: bool | None = None,
         clock: Any = None,
     ) -> None:
-        if every is not None and not is_int_at_least(every, 1):
-            raise ValueError(
-                f"every must be an int >= 1 (flush every that many calls) or None (flush only "
-                f"on flush()), got {every!r}"
-            )
+        _check_every(every)
         sinks = as_sinks(sink)
         if clock is not None and not isinstance(getattr(clock, "updates", None), int):
             raise TypeError(
@@ -98,7 +96,8 @@ class detach_logging(_log_state.LogState):
                 raise ValueError(f"unknown reduction {name!r}: use one of {sorted(REDUCTIONS)}")
         if sync_ranks is not None and not isinstance(sync_ranks, bool):
             raise TypeError(f"sync_ranks must be None, True or False, got {sync_ranks!r}")
-        self.every = every
+        self._every = every
+        self._flush_at = math.inf if every is None else every  # what a record compares with
         self.sink = sink
         self.sync_ranks = sync_ranks
         self.clock = clock
@@ -111,6 +110,16 @@ class detach_logging(_log_state.LogState):
         """Number of ``log(...)`` calls so far."""
         self.last: dict[str, float] = {}
         """The values of the most recent flush."""
+
+    @property
+    def every(self) -> int | None:
+        """The flush interval, in log calls (None: only on ``flush()`` and leaving ``with``)."""
+        return self._every
+
+    @every.setter
+    def every(self, every: int | None) -> None:
+        _check_every(every)
+        self._every, self._flush_at = every, math.inf if every is None else every
 
     # -- recording ----------------------------------------------------------------------
 
@@ -133,7 +142,7 @@ class detach_logging(_log_state.LogState):
     def record(self, metrics: Mapping[str, torch.Tensor | float]) -> None:
         """Record one value per metric (a scalar tensor or a Python number)."""
         since = self._calls_since_flush + 1
-        flushes = self.every is not None and since >= self.every
+        flushes = since >= self._flush_at
         # The common call, inline (it runs every micro-step): each metric logged the same way
         # as its last value (a 0-d tensor of the same dtype on the same device, or a Python
         # float) is appended as it is: no device op, no host read, no check repeated. Any
@@ -169,10 +178,12 @@ class detach_logging(_log_state.LogState):
                 self.step += 1
                 self._calls_since_flush = since
                 if flushes:
-                    _flush_call(self, metrics, {}, set())
+                    flush_call(self, metrics, {}, set())
                 return
-        _take_back(values, itertools.islice(metrics, taken))
-        _record_checked(self, metrics, flushes)
+        take_back(values, itertools.islice(metrics, taken))
+        record_checked(self, metrics, flushes)
+
+    _record_one = record_one  # a step's loss, each micro-step: the short path (_recording)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -258,58 +269,12 @@ class detach_logging(_log_state.LogState):
         return f"detach_logging(every={self.every}, sink={self.sink!r})"
 
 
-def _record_checked(
-    self: detach_logging, metrics: Mapping[str, torch.Tensor | float], flushes: bool
-) -> None:
-    """``record`` with every value checked (and restored values moved to its device)."""
-    if not metrics:
-        raise TypeError("log() got no metrics: call it as log(loss=loss, ...)")
-    # Values a resume restored on the CPU follow the metric to its device now.
-    moved = _log_state.adopted(self._values, self._restored, metrics)
-    checked = [
-        (name, _checked(name, v, moved.get(name, self._values.get(name))))
-        for name, v in metrics.items()
-    ]
-    # Stored only once every value is known good, so a bad call records nothing.
-    before = {name: self._values[name] for name in moved}
-    unmarked = self._restored.intersection(metrics)
-    self._values.update(moved)
-    self._restored -= unmarked
-    for name, value in checked:
-        self._values.setdefault(name, []).append(value)
-    self.step += 1
-    self._calls_since_flush += 1
-    if flushes:
-        _flush_call(self, [name for name, _ in checked], before, unmarked)
-    kinds = self._kinds
-    for name, value in checked:
-        if isinstance(value, torch.Tensor):
-            kinds[name] = (value.dtype, value.device, value.device.type == "cpu")
-        else:
-            kinds[name] = NUMBER
-
-
-def _flush_call(
-    self: detach_logging,
-    names: Iterable[str],
-    before: Mapping[str, list[Value]],
-    unmarked: set[str],
-) -> None:
-    """The flush of the call that just recorded ``names``; if it fails, that call is taken
-    back (``before``: the values it replaced, ``unmarked``: metrics it took off
-    ``_restored``), as if never made."""
-    try:
-        reduced = self._reduce(self._values, self._across_ranks())
-    except BaseException:
-        # The flush failed before it changed anything (a collective that timed out, ranks
-        # configured differently): take this call's values back out, as if never made.
-        _take_back(self._values, names)
-        self._values.update(before)
-        self._restored |= unmarked
-        self.step -= 1
-        self._calls_since_flush -= 1
-        raise
-    self._deliver(reduced)
+def _check_every(every: object) -> None:
+    if every is not None and not is_int_at_least(every, 1):
+        raise ValueError(
+            f"every must be an int >= 1 (flush every that many calls) or None (flush only "
+            f"on flush()), got {every!r}"
+        )
 
 
 def _decorate(self: detach_logging, fn: F) -> F:
@@ -331,55 +296,3 @@ def _decorate(self: detach_logging, fn: F) -> F:
         return out
 
     return cast(F, wrapper)  # functools.wraps gives it fn's signature
-
-
-def _take_back(values: dict[str, list[Value]], names: Iterable[str]) -> None:
-    """Remove the last value of each of ``names`` (a call taken back), and emptied lists."""
-    for name in names:
-        kept = values[name]
-        kept.pop()
-        if not kept:
-            del values[name]
-
-
-def _checked(name: object, v: object, previous: list[Value] | None) -> Value:
-    if not isinstance(name, str):
-        raise TypeError(
-            f"metric names must be str, got {type(name).__name__}: {name!r}; log(loss=loss) or "
-            "record({'loss': loss})"
-        )
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise ValueError(
-                f"metric {name!r} has shape {tuple(v.shape)}: log scalars, e.g. "
-                f"log({name}=value.mean())"
-            )
-        if v.is_complex():
-            raise ValueError(f"metric {name!r} is complex: log its .abs() or .real")
-        if previous:
-            if not isinstance(previous[0], torch.Tensor):
-                raise TypeError(
-                    f"metric {name!r} was a Python number before and is a tensor now: log it "
-                    "the same way every call"
-                )
-            if previous[0].device != v.device:
-                raise ValueError(
-                    f"metric {name!r} was on {previous[0].device} before and is on {v.device} "
-                    f"now: log it from the same device every call (or .to() it first)"
-                )
-        # Stored 0-d, so the flush stacks them without reshaping each one.
-        return v.detach() if v.dim() == 0 else v.detach().reshape(())
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if previous and isinstance(previous[0], torch.Tensor):
-            raise TypeError(
-                f"metric {name!r} was a tensor before and is a Python number now: log it "
-                "the same way every call"
-            )
-        try:
-            return float(v)
-        except OverflowError:
-            raise ValueError(
-                f"metric {name!r} is an int of {len(str(abs(int(v))))} digits, too large for a "
-                "float: log it scaled down"
-            ) from None
-    raise TypeError(f"metric {name!r} must be a scalar tensor or a number, got {type(v).__name__}")

@@ -23,7 +23,7 @@ from .._ema import _average
 from .._parallel._fsdp_options import check_precision
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
-from .._tracing import EagerUnderCompile, eagerly
+from .._tracing import EagerUnderCompile, compiling, eagerly
 from .._types import Weight
 from . import _last_batch, _misuse, _open_steps, _source
 from ._cross_rank import end_of_window
@@ -86,7 +86,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     happened. ``skip_nonfinite=True`` skips updates whose loss or gradient norm is inf/nan
     on any rank (one host read per update); ``max_consecutive_skips=K`` raises after K in a
     row (fp16's start-up back-off not counted); ``ema=loopkit.ema(model)`` (or a list of
-    them: several decays) is averaged after each real update. ``acc.flush()`` (or ``for batch in
+    them: several decays) is averaged after each real update; ``measure_grad_norm=True``:
+    ``acc.grad_norm`` without clipping. ``acc.flush()`` (or ``for batch in
     acc.iterate(loader)``) closes a ragged last window with exact normalization.
     ``compile_optimizer=True`` compiles the optimizer's step (see ``loopkit.step``).
     """
@@ -107,6 +108,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         max_consecutive_skips: int | None = None,
         ema: _average.ema | Sequence[_average.ema] | None = None,
         compile_optimizer: CompileLike = False,
+        measure_grad_norm: bool = False,
     ) -> None:
         self._built_as = _check_binding(model, optimizer, every, amp)  # what the user built
         kind = sync_kind(model)
@@ -114,7 +116,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             optimizer, amp=amp, clip_grad_norm=clip_grad_norm, scheduler=scheduler, ema=ema,
             skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
             kind=kind, group=getattr(unwrap(model), "process_group", None),
-            compile_optimizer=compile_optimizer,
+            compile_optimizer=compile_optimizer, measure_grad_norm=measure_grad_norm,
         )  # fmt: skip
         self.model = model
         self.optimizer = optimizer
@@ -159,8 +161,9 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """Total gradient norm of the last update, before any clipping (a device tensor)."""
-        return self._progress.grad_norm
+        """The last update's total gradient norm before clipping (a device tensor, None before
+        the first), measured with clipping, ``skip_nonfinite`` or ``measure_grad_norm``."""
+        return self._rule.norm_read(self._progress, self._built_as)
 
     @property
     def ends_window(self) -> bool:
@@ -202,7 +205,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         self._inside = True
         self._did_backward = False
         window.micro += 1
-        self._guard.entered(window.micro, by_iterate=self.iterating > 0)
+        self._guard.entered(window.micro, self.iterating > 0)
         return self
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
@@ -212,7 +215,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         in proportion, as in one batch holding all of them. Several calls in one micro-step
         add up to its contribution; ``weight=`` goes with the first. ``inputs=``/
         ``retain_graph=`` go to autograd."""
-        if torch.compiler.is_compiling():  # run eagerly: _tracing
+        if compiling():  # run eagerly: _tracing
             return eagerly(self._backward, loss, weight, **autograd)
         return self._backward(loss, weight, **autograd)
 
@@ -225,16 +228,13 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         window, first = self._window, not self._did_backward
-        self._guard.refuse_foreign(at_end=False)
-        self._sync.refuse_synced_forward()
+        self._guard.refuse_foreign(False)
+        if self._sync.entered:
+            self._sync.refuse_synced_forward()
         if self._reach is not None:  # a group member's first window only
             self._reach.check(loss, autograd.get("inputs"))
-        scaled, w, reference = self._weighting.scaled(loss, weight, window, first)
         finite = torch.isfinite(loss.detach()) if self._rule.watch_loss else None
-        if self.amp is not None:
-            self.amp.backward(scaled, **autograd)
-        else:
-            scaled.backward(**autograd)
+        w, reference = self._weighting.backward(loss, weight, window, first, self.amp, autograd)
         # State changes only once backward has succeeded.
         synced = not self._sync.entered
         if first:

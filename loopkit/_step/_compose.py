@@ -25,7 +25,7 @@ from .._logging import _detach
 from .._observe import _doctor
 from .._parallel._grad_sync import unwrap
 from .._precision import autocast_step
-from .._tracing import EagerUnderCompile, eagerly
+from .._tracing import EagerUnderCompile, compiling, eagerly
 from .._types import DeviceLike, PrecisionLike, Weight
 from . import _accumulate, _feed, _micro_batch
 from ._frozen import Frozen
@@ -65,21 +65,21 @@ def _refuse_outside(acc: _accumulate.accumulate) -> None:
 class step(EagerUnderCompile, contextlib.ContextDecorator):
     """One reusable context manager per training loop: ``with step as s: ...; s.backward(loss)``.
 
-    Build it once, before the loop, and enter it once per micro-batch (or decorate the
-    micro-step function with ``@step``). ``precision`` (``"bf16"``, ``"fp16"``,
-    ``"fp32"``), ``accumulate=N`` micro-batches per update (with ``no_sync`` under DDP and
-    exact normalization), ``clip_grad_norm``, ``scheduler`` (stepped once per real update),
-    ``device`` for ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an
-    int: print every that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips``
-    guard the updates (see accumulate); ``doctor=loopkit.doctor()`` times every phase.
-    ``micro_batch=m``: ``iterate`` hands out batches in chunks of at most ``m`` samples;
-    ``ema=loopkit.ema(model)`` (or a list: several decays) is averaged after each real update.
-    ``frozen=[D]``: modules trained through but not (a GAN's discriminator in the generator's
-    step): no gradient and no DDP all-reduce inside its micro-steps, ``requires_grad``
-    restored on exit. ``compile_optimizer=True`` (or torch.compile's keywords): the
-    optimizer's step compiled once, with tensor lrs (a scheduler causes no recompile).
-    ``non_blocking``, ``uint8_to``, ``normalize`` and ``channels_last`` are
-    ``loopkit.to_device``'s, applied to each batch ``iterate``/``s.to_device`` moves.
+    Build it once, before the loop, and enter it once per micro-batch (or decorate the micro-
+    step function with ``@step``). ``precision`` (``"bf16"``, ``"fp16"``, ``"fp32"``),
+    ``accumulate=N`` micro-batches per update (with ``no_sync`` under DDP and exact
+    normalization), ``clip_grad_norm`` (``measure_grad_norm``: the norm, unclipped),
+    ``scheduler`` (stepped once per real update), ``device`` for
+    ``s.to_device``/``step.iterate`` and ``log`` (a ``detach_logging`` or an int: print every
+    that many micro-steps); ``skip_nonfinite``/``max_consecutive_skips`` guard the updates (see
+    accumulate); ``doctor=loopkit.doctor()`` times every phase. ``micro_batch=m``: ``iterate``
+    hands out batches in chunks of at most ``m`` samples; ``ema=loopkit.ema(model)`` (or a list:
+    several decays) is averaged after each real update. ``frozen=[D]``: modules trained through
+    but not (a GAN's discriminator in the generator's step): no gradient and no DDP all-reduce
+    inside its micro-steps, ``requires_grad`` restored on exit. ``compile_optimizer=True`` (or
+    torch.compile's keywords): the optimizer's step compiled once, with tensor lrs (a scheduler
+    causes no recompile). ``non_blocking``, ``uint8_to``, ``normalize`` and ``channels_last``
+    are ``loopkit.to_device``'s, applied to each batch ``iterate``/``s.to_device`` moves.
     """
 
     def __init__(
@@ -104,6 +104,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         micro_batch: int | None = None,
         ema: _average.ema | Sequence[_average.ema] | None = None,
         compile_optimizer: CompileLike = False,
+        measure_grad_norm: bool = False,
     ) -> None:
         # Everything is checked before anything is built or bound.
         if not isinstance(model, nn.Module):
@@ -125,7 +126,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
             model, optimizer, accumulate, scheduler=scheduler, clip_grad_norm=clip_grad_norm,
             amp=self.amp if self.amp.precision != "fp32" else None,
             skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
-            ema=ema, compile_optimizer=compile_optimizer,
+            ema=ema, compile_optimizer=compile_optimizer, measure_grad_norm=measure_grad_norm,
         )  # fmt: skip
         """The ``loopkit.accumulate`` this step drives (windows, update, counters)."""
         self.doctor = doctor
@@ -170,19 +171,20 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
         """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate);
         several calls add up, ``inputs=``/``retain_graph=`` go to autograd."""
-        if torch.compiler.is_compiling():  # run eagerly: _tracing
+        if compiling():  # run eagerly: _tracing
             return eagerly(self._backward, loss, weight, **autograd)
         return self._backward(loss, weight, **autograd)
 
     def _backward(self, loss: torch.Tensor, weight: Weight | None, **autograd: Any) -> None:
-        _refuse_outside(self.accumulator)
+        acc = self.accumulator
+        _refuse_outside(acc)
         # 5. autocast ends before backward, as torch recommends (backward ops take the
         #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
         if self._in_autocast:
             self._in_autocast = False
             self.amp.__exit__(None, None, None)
-        self._weight = self._weight if self.accumulator._did_backward else weight  # its record's
-        self.accumulator._backward(loss, _feed.chunk_weight(self, weight), **autograd)
+        self._weight = self._weight if acc._did_backward else weight  # its record's
+        acc._backward(loss, _feed.chunk_weight(self, weight), **autograd)
         if self.log is not None:
             detached = loss.detach()
             self._loss = detached if self._loss is None else self._loss + detached
@@ -229,7 +231,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
             # 10. doctor: the step's clock stops.
             if doc is not None:
                 doc.__exit__(exc_type, exc, tb)
-        return _micro_batch.recovered(self, exc)  # 11. out of memory in a chunk: redo, halved
+        # 11. out of memory in a chunk: redo, halved.
+        return exc is not None and _micro_batch.recovered(self, exc)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -280,7 +283,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """Total gradient norm of the last update, before any clipping (a device tensor)."""
+        """The last update's total gradient norm before clipping (see accumulate.grad_norm)."""
         return self.accumulator.grad_norm
 
     @property
@@ -316,11 +319,14 @@ def _record(
     extra: dict[str, Any] | None, weight: Weight | None,
 ) -> None:  # fmt: skip
     """A micro-step's log record: its loss (detached in backward) and ``log_metrics``."""
+    doc = step.doctor
+    if extra is None and loss is not None and doc is None and step.chunks.share is None:
+        log._record_one("loss", loss)  # the usual micro-step: its loss alone, the short path
+        return
     if extra is None:
         extra = {} if loss is None else {"loss": loss}
     elif loss is not None:
         extra["loss"] = loss
-    doc = step.doctor
     if step.chunks.share is None and doc is None:
         if extra:  # the usual micro-step, every one: nothing else to do
             log.record(extra)

@@ -300,7 +300,7 @@ class Guard:
             (last, g2, -1 if g2 is None else g2._version),
         )
 
-    def refuse_foreign(self, *, at_end: bool) -> None:
+    def refuse_foreign(self, at_end: bool) -> None:
         """Raise if user code changed the window's gradients (or stepped the scheduler)."""
         for p, grad, version in self._marks:
             now = p.grad

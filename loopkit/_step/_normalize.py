@@ -2,11 +2,13 @@
 the window's boundary multiplies the summed gradients by.
 
 Each micro-step back-propagates ``loss / every`` (or ``loss * weight / w_ref`` with
-weights), exactly what a hand-written loop does; at the boundary, where the window's true
-size is known, one factor turns the sum into the large-batch gradient: nothing for a full
-unweighted window (bit-identical to the hand-written loop), ``every / k`` for a ragged one
-of ``k`` micro-steps, ``w_ref / sum(weights)`` with weights. Under DDP gradients are
-averaged over ``world`` ranks, so the weighted factor is ``world * w_ref / sum over ranks``.
+weights), exactly what a hand-written loop does (unweighted: ``loss`` back-propagated from
+the gradient ``1 / every``, which is what ``loss / every`` hands it, with no division to
+run); at the boundary, where the window's true size is known, one factor turns the sum into
+the large-batch gradient: nothing for a full unweighted window (bit-identical to the hand-
+written loop), ``every / k`` for a ragged one of ``k`` micro-steps, ``w_ref /
+sum(weights)`` with weights. Under DDP gradients are averaged over ``world`` ranks, so the
+weighted factor is ``world * w_ref / sum over ranks``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from .._types import Weight
 def scaled_loss(loss: torch.Tensor, every: int, weight: Any = None, w_ref: Any = None) -> Any:
     """The loss a micro-step back-propagates: ``loss / every``, or ``loss * weight / w_ref``."""
     return loss / every if weight is None else loss * (weight / w_ref)
+
+
+def seed_gradient(dtype: torch.dtype, device: torch.device, every: int) -> torch.Tensor:
+    """The gradient a micro-step's unweighted backward starts from: the one ``(loss /
+    every).backward()`` reaches ``loss`` with (``DivBackward`` computes ``1 / every`` with
+    this same op, in the loss's dtype): the same bits, without the division's graph node."""
+    return torch.ones((), dtype=dtype, device=device) / every
 
 
 def reference_weight(first_weight: Any, every: int) -> Any:

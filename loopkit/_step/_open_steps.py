@@ -23,7 +23,10 @@ class Owner(Protocol):
     optimizer: torch.optim.Optimizer
 
 
-_OPEN: weakref.WeakSet[Owner] = weakref.WeakSet()
+# id(owner) -> a weak reference to it: a plain dict is one store and one pop per micro-step
+# (a WeakSet makes and hashes a new weak reference for each). A dead entry (a step collected
+# inside a micro-step) is dropped by the next micro-step that finds another one open.
+_OPEN: dict[int, weakref.ref[Owner]] = {}
 # owner -> (ids of its model's parameters, ids of its optimizer's), computed on first need
 _IDS: weakref.WeakKeyDictionary[Owner, tuple[frozenset[int], frozenset[int]]] = (
     weakref.WeakKeyDictionary()
@@ -51,7 +54,13 @@ def open_(owner: Owner) -> None:
     """
     if _OPEN:
         mine = _ids(owner)
-        for other in _OPEN:
+        for key, ref in list(_OPEN.items()):
+            other = ref()
+            if other is None:
+                del _OPEN[key]
+                continue
+            if other is owner:
+                continue
             theirs = _ids(other)
             if mine[0] & theirs[1] or theirs[0] & mine[1]:
                 raise RuntimeError(
@@ -63,9 +72,9 @@ def open_(owner: Owner) -> None:
                 )
     if _passes.pending:  # before the micro-step changes anything: a save may wait there
         _passes.consumed()
-    _OPEN.add(owner)
+    _OPEN[id(owner)] = weakref.ref(owner)  # the object's one plain weak reference, reused
 
 
 def close(owner: Owner) -> None:
     """Record ``owner``'s micro-step as closed."""
-    _OPEN.discard(owner)
+    _OPEN.pop(id(owner), None)

@@ -135,7 +135,10 @@ class UpdateRule:
         kind: SyncKind,
         group: Any,
         compile_optimizer: CompileLike = False,
+        measure_grad_norm: bool = False,
     ) -> None:
+        if not isinstance(measure_grad_norm, bool):
+            raise TypeError(f"measure_grad_norm must be True or False, got {measure_grad_norm!r}")
         if clip_grad_norm is not None and (
             isinstance(clip_grad_norm, bool)
             or not isinstance(clip_grad_norm, (int, float))
@@ -144,8 +147,8 @@ class UpdateRule:
         ):
             raise ValueError(
                 f"clip_grad_norm must be a positive finite number or None, got "
-                f"{clip_grad_norm!r} (the norm is measured at every update without clipping "
-                "too: read step.grad_norm and leave clip_grad_norm= out)"
+                f"{clip_grad_norm!r} (to measure the norm without clipping, leave "
+                "clip_grad_norm= out and pass measure_grad_norm=True: step.grad_norm)"
             )
         check_scheduler(scheduler, optimizer)
         emas = check_emas(ema, optimizer)
@@ -179,6 +182,9 @@ class UpdateRule:
             None if compiled is None else CompiledOptimizerStep(optimizer, compiled)
         )
         """``compile_optimizer=``: the optimizer's step, compiled (None: ``optimizer.step``)."""
+        # The total gradient norm: one foreach norm per update, made only where clipping,
+        # the non-finite guard or a reader (measure_grad_norm=True) needs it.
+        self.measures_norm = self.clip_grad_norm is not None or skip_nonfinite or measure_grad_norm
         # Losses are checked on the device (no sync) when a decision needs them.
         self.watch_loss = skip_nonfinite or (self.fp16 and max_consecutive_skips is not None)
 
@@ -197,13 +203,13 @@ class UpdateRule:
                 if isinstance(factor, torch.Tensor):
                     factor = factor.to(grads[0].device)
                 torch._foreach_mul_(grads, factor)
-        # 3. Clip, or only measure: the total norm is a device tensor either way, no host
+        # 3. Clip, or only measure (when asked): the total norm is a device tensor, no host
         #    sync (non-finite norms are left to the fp16 skip or the non-finite guard, not
         #    raised). ``params`` are in the model's order, as the hand loop's
         #    clip_grad_norm_(model.parameters(), ...) sums them: the same bits.
         if self.clip_grad_norm is not None:
             progress.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        else:
+        elif self.measures_norm:
             grads = [p.grad for p in params if p.grad is not None]
             progress.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         # 4. Guard and step: fp16's scaler skips inf/nan by itself, the guard does for
@@ -243,6 +249,17 @@ class UpdateRule:
                 "data, or resume from an earlier checkpoint"
             )
         return False
+
+    def norm_read(self, progress: Progress, built_as: str) -> torch.Tensor | None:
+        """The last update's norm for a reader; refused where nothing measures it."""
+        if not self.measures_norm:
+            name = "step" if built_as == "loopkit.step" else "acc"
+            raise RuntimeError(
+                f"{name}.grad_norm is not measured: this {built_as} neither clips nor was "
+                "asked for the norm, and measures nothing it was not asked for. Build it with "
+                "measure_grad_norm=True (one foreach norm per update) or clip_grad_norm=..."
+            )
+        return progress.grad_norm
 
     def _step_optimizer(self, opt: torch.optim.Optimizer) -> None:
         if self.compiled_step is None:

@@ -12,21 +12,83 @@ from typing import Any
 
 import torch
 
+from .._precision import autocast_step
 from .._types import Weight
 from ._cross_rank import agreed_reference
-from ._normalize import checked_weight, scaled_loss
+from ._normalize import checked_weight, scaled_loss, seed_gradient
 from ._window import Window
+
+# torch.autograd.backward, less what a checked 0-d seed of the loss's dtype and device makes
+# redundant (its validation of given gradients: a few microseconds of Python per call);
+# torch's own engine entry, as torch.autograd.backward calls it. A torch without it (or a
+# loss a torch-function mode or subclass intercepts) goes through torch.autograd.backward.
+_engine_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_intercepted = torch._C._has_torch_function_unary
+
+
+def _backward_from(loss: torch.Tensor, seed: torch.Tensor) -> None:
+    """``torch.autograd.backward(loss, seed)`` for a plain 0-d loss and a seed shaped like it."""
+    if _engine_backward is None or _intercepted(loss):
+        torch.autograd.backward(loss, seed)
+    else:
+        _engine_backward(
+            (loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True
+        )
 
 
 class Weighting:
     """The weighted reference of one accumulate and the weight of its open micro-step."""
 
-    __slots__ = ("every", "group", "micro_weight", "reference", "sharded")
+    __slots__ = ("_seeds", "every", "group", "micro_weight", "reference", "sharded")
 
     def __init__(self, every: int, sharded: bool, group: Any) -> None:
         self.every, self.sharded, self.group = every, sharded, group
         self.reference: Any = None  # fixed at the first weighted backward
         self.micro_weight: Any = None  # the weight of the micro-step now open
+        self._seeds: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def backward(
+        self, loss: torch.Tensor, weight: Weight | None, window: Window, first: bool,
+        amp: autocast_step | None, autograd: dict[str, Any],
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """Back-propagate a micro-step's ``loss``, scaled for the window (and fp16); returns
+        ``(this micro-step's weight, reference)``. The usual one (unweighted, a plain 0-d
+        floating loss, no autograd keywords, no GradScaler) starts from ``1 / every``."""
+        if (
+            weight is None
+            and not window.weighted
+            and not autograd
+            and (amp is None or amp.scaler is None)
+            and type(loss) is torch.Tensor
+            and loss.ndim == 0
+            and loss.is_floating_point()
+        ):
+            self.backward_seeded(loss)
+            return 1, None
+        scaled, w, reference = self.scaled(loss, weight, window, first)
+        if amp is not None:
+            amp.backward(scaled, **autograd)
+        else:
+            scaled.backward(**autograd)
+        return w, reference
+
+    def backward_seeded(self, loss: torch.Tensor) -> None:
+        """Back-propagate an unweighted micro-step's ``loss`` from the gradient ``1 / every``
+        (``_normalize.seed_gradient``): the gradients of ``(loss / every).backward()``, bit
+        for bit, with one graph node and one tensor op less per micro-step.
+
+        The seed is built once per dtype and device. A backward that changed it in place (a
+        hook or a custom Function writing into its incoming gradient) saw the right value
+        first, as with a fresh one; the changed seed is dropped, never reused."""
+        key = (loss.dtype, loss.device)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = seed_gradient(loss.dtype, loss.device, self.every)
+        try:
+            _backward_from(loss, seed)
+        finally:
+            if seed._version:
+                del self._seeds[key]
 
     def scaled(
         self, loss: torch.Tensor, weight: Weight | None, window: Window, first: bool

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, assert_bit_equal, batches, launch_env, loss_fn, mlp, params
+from helpers import ROOT, assert_bit_equal, batches, deep, launch_env, loss_fn, mlp, params
 from torch import nn
 
 import loopkit
@@ -257,6 +257,7 @@ def test_non_finite_guard_off_by_default_costs_no_sync() -> None:
         assert syncs.count == expected, syncs.events
 
 
+@deep
 def test_ddp_one_writer_all_ranks_resume(tmp_path: Path) -> None:
     """2 processes: stop at update 8, resume to 12; equal to an uninterrupted 2-process run."""
     torchrun = [
@@ -759,6 +760,7 @@ with distributed.setup() as info:
 """
 
 
+@deep
 def test_ddp_ranks_that_see_different_checkpoints_all_refuse(tmp_path: Path) -> None:
     """2 processes, per-rank directories: both ranks raise, none trains on alone (no hang)."""
     script = tmp_path / "script.py"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from helpers import ROOT, launch_env
+from helpers import ROOT, deep, launch_env
 
 CAPPED = r"""
 import resource, signal
@@ -145,6 +145,7 @@ def test_a_full_disk_names_the_checkpoint_and_the_cause_and_leaves_nothing(tmp_p
     assert out["async_again"] == path.name and out["async_after"] == [path.name]
 
 
+@deep
 def test_a_failed_background_save_nothing_waits_for_ends_the_process_with_status_1(
     tmp_path: Path,
 ) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import mlp
+from helpers import deep, mlp
 
 import loopkit
 from loopkit._checkpoint import _background, _claim_rules, _owner
@@ -250,6 +250,7 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@deep
 def test_a_claim_lives_as_long_as_the_checkpointers_that_hold_it(tmp_path: Path) -> None:
     """Trials in one process, each a Checkpointer of its own directory, never closed: each
     directory is given up when its Checkpointer is garbage-collected (no descriptor or record

@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import torch
 from clusters_recipes import recipe
-from helpers import launch_env
+from helpers import deep, launch_env
 
 import loopkit
+
+pytestmark = deep  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
 
 
 def _command(commands: list[str], first: str) -> list[str]:

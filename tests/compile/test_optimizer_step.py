@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from helpers import deep
 from torch import nn
 from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
@@ -74,6 +75,7 @@ OPTIMIZERS = {
 }
 
 
+@deep
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_updates_match_the_eager_optimizer_and_a_scheduler_never_recompiles(name: str) -> None:
     """Weights and optimizer state within float rounding of the eager step; the lrs the
@@ -103,6 +105,7 @@ def test_updates_match_the_eager_optimizer_and_a_scheduler_never_recompiles(name
     assert sched.state_dict() == eager_sched.state_dict()
 
 
+@deep
 def test_a_hand_compiled_step_with_a_float_lr_recompiles_where_this_one_does_not() -> None:
     """The reference: torch.compile(optimizer.step) with a scheduler compiles its frames
     more than once; compile_optimizer=True compiles once."""
@@ -221,6 +224,7 @@ def test_bad_compile_optimizer_values_are_refused(value: Any, error: type, words
                            compile_optimizer=value)  # fmt: skip
 
 
+@deep
 def test_the_ninth_optimizer_of_a_process_is_compiled_too() -> None:
     """Each compiled step has its own cache: ten steps built one after another (a sweep, a
     GAN's members) each compile theirs, none recompiles another's or falls back to eager
@@ -271,6 +275,7 @@ def _segment(make: Callable[[nn.Module], torch.optim.Optimizer], start: int, sto
     return model, opt, copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
 
 
+@deep
 @pytest.mark.parametrize(
     ("name", "kills"),
     [("AdamW two groups", (1, 3)), ("SGD momentum two groups", (1,)), ("SGD", (2,)),
@@ -294,6 +299,7 @@ def test_a_run_resumed_with_its_state_loaded_by_hand_ends_bit_identical(
         assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a), name
 
 
+@deep
 def test_a_steps_group_killed_before_its_first_compiled_update_resumes_bit_identical(
     tmp_path: Any,
 ) -> None:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, launch_env
+from helpers import ROOT, deep, launch_env
 from torch import nn
 
 import loopkit
@@ -344,6 +344,7 @@ torch.distributed.destroy_process_group()  # exiting with the group alive may ab
 """
 
 
+@deep
 def test_under_accelerate_launch_a_prepared_loader_counts_each_sample_once(
     tmp_path: Path,
 ) -> None:

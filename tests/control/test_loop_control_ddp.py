@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from dist_loop_control_worker import Centered, bn_model, eval_model, per_sample, seven_samples
-from helpers import launch_scenarios
+from helpers import deep, launch_scenarios
 
 import loopkit
 
@@ -23,6 +23,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return launch_scenarios("tests/dist_loop_control_worker.py", out)
 
 
+@deep
 def test_evaluate_equals_one_process_bit_for_bit(results: Any) -> None:
     """7 samples, batch 2, 2 ranks (one padded duplicate): the one-process sums, exactly."""
     one = loopkit.evaluate(eval_model(), torch.utils.data.DataLoader(seven_samples(), batch_size=2),

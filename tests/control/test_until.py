@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, deep
 from torch import nn
 
 import loopkit
@@ -337,6 +337,7 @@ def _worker_of_rank(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under torchrun {torchrun_pid}")
 
 
+@deep
 def test_sigterm_to_rank_1_only_stops_both_saves_once_exits_0_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:

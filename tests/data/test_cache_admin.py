@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, deep
 
 import loopkit
 from loopkit._data import _cache_admin
@@ -50,6 +50,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@deep
 def test_the_command_lists_and_prunes_with_a_dry_run_first(tmp_path: Path) -> None:
     """list names each cache (key, items, path); prune --older-than is a dry run until --yes,
     and removes only the caches older than asked."""

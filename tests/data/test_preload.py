@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, launch_env
+from helpers import ROOT, deep, launch_env
 from torch import nn
 
 import loopkit
@@ -223,6 +223,7 @@ with distributed.setup(timeout=datetime.timedelta(seconds=4)) as info:
 """
 
 
+@deep
 def test_under_torchrun_one_build_and_both_ranks_read_the_same_bytes(tmp_path: Path) -> None:
     """Two ranks on one node: local rank 0 builds, rank 1 waits (longer than the process
     group's timeout: it polls, not in a collective) and maps the same files; the loader
@@ -845,6 +846,7 @@ def failures_and_nodes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
+@deep
 def test_a_failed_build_on_rank_0_reaches_the_waiting_rank_at_once(
     failures_and_nodes: tuple[Path, list[Any]],
 ) -> None:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEEP, ROOT, kill_tree, launch_env
+from helpers import DEEP, ROOT, deep, kill_tree, launch_env
+
+pytestmark = deep  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
 
 pytest.importorskip("datasets")
 pytest.importorskip("torchdata")

@@ -3,7 +3,8 @@
 Hypothesis draws the combinations of features (accumulation, weights, precisions, groups,
 DDP comm hooks, resumes, loaders, caches...); each test states one invariant in its
 docstring. The 2-rank invariants run in one ``torchrun`` launch for the whole session
-(``dist_invariants_worker.py``), whose two ranks draw the same examples themselves.
+(``dist_invariants_worker.py``), whose two ranks draw the same examples themselves; they are
+deep tests (``LOOPKIT_DEEP=1``: tests/conftest.py), CI's processes run the top-level launch.
 
 The budget switch (read once, in ``inv_budget.py``):
 

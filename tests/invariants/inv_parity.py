@@ -341,7 +341,7 @@ def run_loopkit(spec: Spec) -> Trace:
     model = parts.model
     step = loopkit.step(
         model, parts.optimizer, accumulate=spec["accumulate"], clip_grad_norm=spec["clip"],
-        scheduler=parts.scheduler,
+        scheduler=parts.scheduler, measure_grad_norm=True,
     )  # fmt: skip
     trace: dict[str, Any] = {"sums": [], "norms": [], "losses": []}
 

@@ -41,6 +41,7 @@ import inv_parity as ip
 import pytest
 import torch
 import torch._dynamo
+from helpers import deep
 from hypothesis import example, given
 from hypothesis import strategies as st
 from inv_budget import DEEP, prop, where
@@ -200,7 +201,7 @@ def run_loopkit(spec: Spec) -> Run:
         log = loopkit.detach_logging(every=spec["log"], sink=records.append)
     step = loopkit.step(
         compiled, opt, precision=spec["precision"], accumulate=spec["accumulate"],
-        clip_grad_norm=spec["clip"], scheduler=sched, log=log, ema=ema,
+        clip_grad_norm=spec["clip"], scheduler=sched, log=log, ema=ema, measure_grad_norm=True,
     )  # fmt: skip
     trace: dict[str, list[torch.Tensor]] = {"losses": [], "norms": []}
     fresh_compiler()
@@ -241,7 +242,7 @@ def run_micro(spec: Spec, compile_micro: bool) -> Run:
         log = loopkit.detach_logging(every=spec["log"], sink=records.append)
     step = loopkit.step(
         model, opt, precision=spec["precision"], accumulate=spec["accumulate"],
-        clip_grad_norm=spec["clip"], scheduler=sched, log=log, ema=ema,
+        clip_grad_norm=spec["clip"], scheduler=sched, log=log, ema=ema, measure_grad_norm=True,
     )  # fmt: skip
     inline = spec["inner"] == "inline"
     loss_fn = loss_of if compile_micro or inline else torch.compile(loss_of, backend=BACKEND)
@@ -352,6 +353,7 @@ STEP_BREAKS = 3
 (``__enter__``, ``backward``, ``__exit__``, run eagerly: ``_tracing``), once for the run."""
 
 
+@deep
 @prop(ci=EXAMPLES)
 @example(RAGGED)
 @example({**RAGGED, "inner": "inline", "precision": "fp32", "tail": 1, "log": None})

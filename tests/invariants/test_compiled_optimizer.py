@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch._dynamo
+from helpers import deep
 from hypothesis import example, given
 from hypothesis import strategies as st
 from inv_budget import DEEP, prop, where
@@ -98,6 +99,7 @@ def specs(draw: Any) -> Spec:
     }
 
 
+@deep
 @prop(ci=6)
 @given(specs())
 @example({"optimizer": "AdamW", "scheduler": "warmup+decay", "groups": 2, "every": 2,

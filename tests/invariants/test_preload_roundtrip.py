@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import deep
 from hypothesis import given
 from hypothesis import strategies as st
 from inv_budget import prop
@@ -197,6 +198,7 @@ def _loader_batches(dataset: Any, spec: Spec, collate: Any) -> list[list[torch.T
     return [flatten(b, spec) for b in loader]
 
 
+@deep
 @prop(ci=80, shrink=False)  # a failing build is described by its spec: report it unshrunk
 @given(datasets())
 def test_the_cache_equals_the_data_set_and_its_batches(spec: Spec) -> None:

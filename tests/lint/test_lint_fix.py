@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, deep
 from test_lint import _cli
 
 from loopkit import lint
@@ -153,6 +153,7 @@ def test_cli_fix_prints_a_diff_and_writes_only_with_write(tmp_path: Path) -> Non
     assert alone.returncode == 2 and "--write needs --fix" in alone.stderr
 
 
+@deep
 @pytest.mark.parametrize("path", FIXABLE, ids=lambda p: p.name)
 def test_fixed_copy_runs_and_prints_the_same(path: Path, tmp_path: Path) -> None:
     """A CPU-runnable corpus script and its fixed copy print identical output (same losses,

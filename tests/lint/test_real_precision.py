@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from helpers import ROOT
+from helpers import ROOT, deep
 
 from loopkit import lint
 
@@ -36,6 +36,7 @@ def _key(label: dict[str, object]) -> tuple[str, str, int, str]:
     return (str(label["repo"]), str(label["path"]), int(label["line"]), str(label["code"]))  # type: ignore[call-overload]
 
 
+@deep
 def test_the_findings_on_real_code_are_exactly_the_labelled_ones() -> None:
     """Every finding is labelled and every labelled finding is still found; none of the
     former false alarms comes back."""

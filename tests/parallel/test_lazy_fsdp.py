@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, deep
 
 # torch's optimizers import torch._dynamo, which imports FSDP, so "is it in sys.modules" says
 # nothing about loopkit. The script forgets the FSDP modules, then records every import of
@@ -41,6 +41,7 @@ print(loopkit_imports)
 """
 
 
+@deep
 def test_a_step_on_a_plain_module_imports_no_fsdp_module() -> None:
     """Building loopkit.step for a plain module and running a window imports nothing under
     torch.distributed.fsdp (it did at import of loopkit's gradient-sync module)."""

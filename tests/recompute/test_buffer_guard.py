@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import assert_bit_equal, params
+from helpers import assert_bit_equal, deep, params
 from torch import nn
 
 import loopkit
@@ -288,6 +288,7 @@ def test_buffer_guard_adds_no_host_sync() -> None:
     assert counts[0] == counts[1]
 
 
+@deep
 @pytest.mark.parametrize("graph_break", [False, True])
 def test_checkpointed_then_compiled_writes_buffers_once(graph_break: bool) -> None:
     """checkpointed, then torch.compile: gradients and BatchNorm buffers as the plain model's."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import launch_scenarios
+from helpers import deep, launch_scenarios
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     return launch_scenarios("tests/dist_edges_worker.py", tmp_path_factory.mktemp("edges"))
 
 
+@deep
 def test_a_non_finite_loss_on_one_rank_skips_the_update_on_every_rank(results: Any) -> None:
     """skip_nonfinite (fp32 and fp16): rank 1's inf loss skips window 2 on both ranks."""
     for r in results["skip_nonfinite_on_one_rank"]:

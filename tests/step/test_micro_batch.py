@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from helpers import batches, mlp, params
+from helpers import batches, deep, mlp, params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -127,6 +127,7 @@ def test_probe_halves_to_the_largest_size_that_fits_and_takes_every_trial_back()
     assert all(p.grad is None for p in model.parameters())
 
 
+@deep
 def test_only_an_out_of_memory_error_means_too_big() -> None:
     """Any other exception propagates unchanged, the state taken back; nothing fitting raises."""
     model, opt, batch = _probe_setup(1000)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, batches, loss_fn, mlp, params
+from helpers import ROOT, batches, deep, loss_fn, mlp, params
 from torch import nn
 
 import loopkit
@@ -304,6 +304,7 @@ def test_a_window_left_open_by_an_error_is_not_reported() -> None:
         gc.collect()
 
 
+@deep
 def test_a_script_ending_on_an_error_prints_the_error_alone(tmp_path: Path) -> None:
     """An uncaught exception after a window opened: the traceback, and no warning at exit."""
     script = tmp_path / "fails.py"
@@ -407,6 +408,7 @@ def test_a_rollback_by_hand_mid_run_is_no_foreign_step() -> None:
     assert sched.last_epoch == 2 and step.updates == 6
 
 
+@deep
 def test_a_refused_window_end_leaves_no_warning_after_its_error(tmp_path: Path) -> None:
     """A scheduler.step() refused at a window's end leaves the window open; the script that
     ends on that error prints the error alone, no OpenWindowWarning."""

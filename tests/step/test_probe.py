@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import requires_cuda
+from helpers import deep, requires_cuda
 from torch import nn
 
 import loopkit
@@ -82,6 +82,7 @@ def test_two_peaks_finds_a_larger_size_than_halving_with_few_trials(
     assert gate.tried == [128, 64]
 
 
+@deep
 def test_two_peaks_falls_back_when_only_the_smaller_size_fits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

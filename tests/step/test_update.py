@@ -70,12 +70,12 @@ def test_clipping_is_bit_identical_to_the_hand_loop_whatever_the_group_order(
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_norm_is_measured_without_clipping(precision: str) -> None:
-    """Without clip_grad_norm= step.grad_norm is the window's total norm (unscaled under fp16),
-    a device tensor, and the weights are the unclipped updates'."""
+    """Without clip_grad_norm=, measure_grad_norm=True makes step.grad_norm the window's total
+    norm (unscaled under fp16), a device tensor, and the weights are the unclipped updates'."""
     data = _data(5, 8, scale=0.01)  # small enough for fp16's first scale
     model = _model(5)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    step = loopkit.step(model, opt, accumulate=2, precision=precision)
+    step = loopkit.step(model, opt, accumulate=2, precision=precision, measure_grad_norm=True)
     ref_model = _model(5)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-3)
     got, want = [], []
@@ -99,7 +99,8 @@ def test_the_norm_is_measured_without_clipping(precision: str) -> None:
                                                       strict=True))  # fmt: skip
     else:  # the norm of true gradients: within autocast's rounding of fp32's
         fp32 = _model(5)
-        ref = loopkit.step(fp32, torch.optim.SGD(fp32.parameters(), lr=1e-3), accumulate=2)
+        ref = loopkit.step(fp32, torch.optim.SGD(fp32.parameters(), lr=1e-3), accumulate=2,
+                           measure_grad_norm=True)  # fmt: skip
         ref_norms = []
         for x, y in ref.iterate(data):
             with ref as s:
@@ -110,8 +111,8 @@ def test_the_norm_is_measured_without_clipping(precision: str) -> None:
 
 
 def test_an_infinite_clip_is_refused_with_the_way_to_read_the_norm() -> None:
-    """clip_grad_norm=inf says the norm is measured anyway (step.grad_norm)."""
+    """clip_grad_norm=inf says how to measure the norm without clipping (measure_grad_norm)."""
     model = _model(0)
-    with pytest.raises(ValueError, match=r"read step\.grad_norm"):
+    with pytest.raises(ValueError, match=r"measure_grad_norm=True: step\.grad_norm"):
         loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      clip_grad_norm=float("inf"))  # fmt: skip

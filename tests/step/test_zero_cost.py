@@ -1,0 +1,236 @@
+"""Pay only for what is used: a step runs no tensor op the hand-written loop does not.
+
+Counted with a TorchDispatchMode (every aten op a loop dispatches, backward included) over
+whole windows after a warm-up window, against the same loop by hand: the op counts of
+``loopkit.step`` and ``loopkit.accumulate`` are at most the hand loop's, op by op.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import loopkit
+
+EVERY = 4
+Loop = Callable[[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], int], None]
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched while entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def _hand(precision: str, clip: float | None, every: int = EVERY) -> Loop:
+    def loop(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        opt = _OPT[id(model)]
+        for i, (x, y) in enumerate(data, start):
+            amp = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if precision == "bf16"
+                else contextlib.nullcontext()
+            )
+            with amp:
+                loss = nn.functional.mse_loss(model(x), y)
+            (loss / every).backward()
+            if (i + 1) % every == 0:
+                if clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    return loop
+
+
+_OPT: dict[int, torch.optim.Optimizer] = {}
+_STEP: dict[int, Any] = {}
+
+
+def _with_step(precision: str, clip: float | None, every: int = EVERY) -> Loop:
+    def loop(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        step = _STEP.get(id(model))
+        if step is None:
+            step = _STEP[id(model)] = loopkit.step(
+                model, _OPT[id(model)], precision=precision, accumulate=every, clip_grad_norm=clip
+            )
+        for x, y in data:
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+
+    return loop
+
+
+def _with_accumulate(precision: str, clip: float | None, every: int = EVERY) -> Loop:
+    def loop(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        acc = _STEP.get(id(model))
+        if acc is None:
+            amp = loopkit.autocast_step(precision, device_type="cpu")
+            acc = _STEP[id(model)] = (
+                loopkit.accumulate(model, _OPT[id(model)], every, clip_grad_norm=clip, amp=amp),
+                amp,
+            )
+        acc, amp = acc
+        for x, y in data:
+            with acc:
+                with amp:
+                    loss = nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+
+    return loop
+
+
+def _ops_after_warmup(loop: Loop, windows: int = 3) -> tuple[collections.Counter[str], nn.Module]:
+    model = _model()
+    _OPT[id(model)] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = _data(EVERY * (windows + 1))
+    loop(model, data[:EVERY], 0)  # the first window builds what is built once
+    counter = _Ops()
+    with counter:
+        loop(model, data[EVERY:], EVERY)
+    _OPT.pop(id(model))
+    _STEP.pop(id(model), None)
+    return counter.ops, model
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("build", [_with_step, _with_accumulate], ids=["step", "accumulate"])
+def test_a_step_dispatches_no_op_the_hand_loop_does_not(
+    precision: str, clip: float | None, build: Callable[..., Loop]
+) -> None:
+    """Op by op, a step's windows dispatch at most what the hand loop's do (no gradient norm
+    without clipping, no loss check, no division: the backward starts from 1/every), and
+    end bit-identical to it."""
+    hand_ops, hand_model = _ops_after_warmup(_hand(precision, clip))
+    ops, model = _ops_after_warmup(build(precision, clip))
+    extra = ops - hand_ops
+    assert not extra, f"ops the hand loop does not run: {dict(extra)}"
+    assert hand_ops["aten.div.Tensor"] > ops["aten.div.Tensor"]  # the loss divisions are gone
+    if clip is None:
+        assert not any("norm" in op for op in ops), "a gradient norm nobody asked for"
+    for a, b in zip(hand_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_norm_is_measured_only_when_asked_and_an_unasked_read_is_refused() -> None:
+    """Without clipping the norm costs nothing, and reading it says how to ask for it;
+    measure_grad_norm=True measures it (the clipped norm's bits)."""
+    model = _model()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    for x, y in _data(2):
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+    assert step.updates == 1
+    with pytest.raises(RuntimeError, match=r"measure_grad_norm=True"):
+        _ = step.grad_norm
+    acc = loopkit.accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    with pytest.raises(RuntimeError, match=r"acc\.grad_norm is not measured"):
+        _ = acc.grad_norm
+    norms = []
+    for kw in ({"measure_grad_norm": True}, {"clip_grad_norm": 1e9}):
+        model = _model()
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+                            **kw)  # type: ignore[arg-type]  # fmt: skip
+        assert step.grad_norm is None  # before the first update
+        for x, y in _data(2):
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+        norms.append(step.grad_norm)
+    assert norms[0] is not None and torch.equal(norms[0], norms[1])
+    with pytest.raises(TypeError, match="measure_grad_norm must be True or False"):
+        loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), measure_grad_norm=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("every", [1, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_backward_from_one_over_every_is_the_divided_losses_bits(
+    every: int, dtype: torch.dtype
+) -> None:
+    """Backward from the seed 1/every gives the gradients of (loss / every).backward() bit
+    for bit, for any every and a loss in any floating dtype (the seed is made in the loss's
+    dtype by the op DivBackward uses)."""
+    data = _data(2 * every)
+    hand, model = _model().to(dtype), _model().to(dtype)
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=every)
+    for i, (x, y) in enumerate(data):
+        loss = nn.functional.mse_loss(hand(x.to(dtype)), y.to(dtype))
+        assert loss.dtype == dtype
+        (loss / every).backward()
+        if (i + 1) % every == 0:
+            hand_opt.step()
+            hand_opt.zero_grad(set_to_none=True)
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)))
+    assert step.updates == 2
+    for a, b in zip(hand.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_hook_that_changes_its_incoming_gradient_in_place_sees_a_fresh_seed_each_time() -> None:
+    """A loss hook that writes into the gradient it receives (as some fused losses do) acts on
+    1/every at every micro-step, as on the hand loop's fresh tensor: the seed it changed is
+    never reused."""
+    data = _data(8)
+    hand, model = _model(), _model()
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=EVERY)
+    for i, (x, y) in enumerate(data):
+        loss = nn.functional.mse_loss(hand(x), y)
+        loss.register_hook(lambda g: g.mul_(3.0))
+        (loss / EVERY).backward()
+        if (i + 1) % EVERY == 0:
+            hand_opt.step()
+            hand_opt.zero_grad(set_to_none=True)
+        with step as s:
+            mine = nn.functional.mse_loss(model(x), y)
+            mine.register_hook(lambda g: g.mul_(3.0))
+            s.backward(mine)
+    for a, b in zip(hand.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_losses_the_seed_does_not_fit_take_the_divided_path() -> None:
+    """A one-element loss of shape (1,), autograd keywords and weights back-propagate as
+    before (the same gradients as by hand), and a loss that needs no gradient fails as torch
+    says."""
+    data = _data(4)
+    hand, model = _model(), _model()
+    hand_opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    for i, (x, y) in enumerate(data):
+        (nn.functional.mse_loss(hand(x), y).reshape(1) / 2).backward(retain_graph=True)
+        if i % 2:
+            hand_opt.step()
+            hand_opt.zero_grad(set_to_none=True)
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y).reshape(1), retain_graph=True)
+    for a, b in zip(hand.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with step as s, pytest.raises(RuntimeError, match="does not require grad"):
+        s.backward(torch.zeros(()))
+    assert not step.flush()  # the window of that micro-step made no backward: no update
