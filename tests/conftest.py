@@ -40,11 +40,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from helpers import DEEP
 
     for item in items:
-        if item.get_closest_marker("dist_group"):
-            # The invariants' 2-rank launch (tests/invariants/conftest.py): deep. CI's
-            # processes run the top-level launch (dist_results) only.
-            item.add_marker(pytest.mark.deep)
         names = getattr(item, "fixturenames", ())
+        if item.get_closest_marker("dist_group") or "dist_results" in names:
+            # The session-wide launches (2 and 4 ranks, every scenario of every file, two
+            # minutes on 2 cores) are deep. CI's processes are the module-scoped launches of
+            # test_accumulate_ddp.py and test_loop_control_ddp.py (DDP on 2 gloo ranks).
+            item.add_marker(pytest.mark.deep)
         group = item.nodeid.split("::")[0]
         for fixture, launch in _LAUNCHES.items():
             if fixture in names:

@@ -1,9 +1,9 @@
 """Resume after SIGKILL: kills, each resumed, end at the uninterrupted run's weights.
 
 examples/train_resumable.py is killed at random moments (after a save, so mid-window or at
-a boundary) and, every third kill, in the middle of writing a checkpoint (3 kills of one
-bf16 run in CI; 10 of each run, under torchrun and FSDP2 too, with LOOPKIT_DEEP=1); each
-time it is started again and resumes. The final weights are compared bit for bit with an
+a boundary) and, every third kill, in the middle of writing a checkpoint (deep tests: 10
+kills of each run, under torchrun and FSDP2 too, with LOOPKIT_DEEP=1); each time it is
+started again and resumes. The final weights are compared bit for bit with an
 uninterrupted run. With --augment the data set draws from python's, numpy's and torch's
 RNGs in __getitem__ and the loss is weighted by a random number of valid tokens; the
 restarts then alternate the number of loader workers.
@@ -76,7 +76,7 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-# CI kills a run 3 times (the third mid-save); LOOPKIT_DEEP=1 kills it 10 times.
+# Every test here is deep (LOOPKIT_DEEP=1): 10 kills; 3 when one is run without it.
 KILLS = 10 if DEEP else 3
 
 
@@ -139,10 +139,11 @@ def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=deep), "bf16"])
+@deep
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_sigkill_at_ten_points_then_resume_is_bit_identical(precision: str, tmp_path: Path) -> None:
-    """Killed 3 times in bf16 (CI; 10 times in both precisions deep; every third mid-save)
-    and resumed each time: the uninterrupted weights.
+    """Killed 10 times (every third mid-save) and resumed each time: the uninterrupted
+    weights.
 
     bf16 runs with an EMA of the weights (validated through swapped()): the average too;
     every other restart of it saves in the background (--async-save), so kills land in the

@@ -671,7 +671,7 @@ def _case(**changes: Any) -> Spec:
     return {**plain, **changes}
 
 
-@prop(ci=25, shrink=False)  # each example trains 2-4 runs: report it unshrunk
+@prop(ci=12, shrink=False)  # each example trains 2-4 runs: report it unshrunk
 @given(runs())
 # A resume right before a skipped window: the cadence must not fire again at update 1.
 @example(
