@@ -2,8 +2,7 @@
 
 Two tiers: ``python -m pytest`` (CI) runs every test not marked ``deep``; ``LOOPKIT_DEEP=1
 python -m pytest`` runs them all (and draws more examples, kills more runs). Each file's
-tests run on one xdist worker, and the tests that read one shared ``torchrun`` launch too
-(``xdist_group``), so a module's or the session's launch runs once, not once per worker.
+tests run on one xdist worker (``--dist loadfile``), so a module-scoped launch runs once.
 """
 
 from __future__ import annotations
@@ -21,10 +20,6 @@ from loopkit import distributed
 
 torch.set_num_threads(1)
 
-# The session-wide launches (tests/conftest.py's, tests/invariants/conftest.py's): the fixture
-# a test reads -> the xdist group that runs all of that launch's readers on one worker.
-_LAUNCHES = {"dist_results": "launch-dist", "dist4_results": "launch-dist"}
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
@@ -32,11 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect the deep tier unless LOOPKIT_DEEP is set. Each test runs on its file's
-    worker (a module-scoped launch runs once), except the readers of a session-wide launch,
-    which share one worker."""
+    """Deselect the deep tier unless LOOPKIT_DEEP is set."""
     from helpers import DEEP
 
     for item in items:
@@ -46,13 +38,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # minutes on 2 cores) are deep. CI's processes are the module-scoped launches of
             # test_accumulate_ddp.py and test_loop_control_ddp.py (DDP on 2 gloo ranks).
             item.add_marker(pytest.mark.deep)
-        group = item.nodeid.split("::")[0]
-        for fixture, launch in _LAUNCHES.items():
-            if fixture in names:
-                where = "invariants" if "tests/invariants/" in item.nodeid else "top"
-                group = f"{launch}-{where}"
-                break
-        item.add_marker(pytest.mark.xdist_group(group))
     if DEEP:
         return
     deep = [item for item in items if item.get_closest_marker("deep")]
