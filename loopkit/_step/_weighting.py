@@ -19,21 +19,21 @@ from ._normalize import checked_weight, scaled_loss, seed_gradient
 from ._window import Window
 
 # torch.autograd.backward, less what a checked 0-d seed of the loss's dtype and device makes
-# redundant (its validation of given gradients: a few microseconds of Python per call);
-# torch's own engine entry, as torch.autograd.backward calls it. A torch without it (or a
-# loss a torch-function mode or subclass intercepts) goes through torch.autograd.backward.
-_engine_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
+# redundant (its validation of given gradients: a few microseconds of Python per call):
+# torch's own engine entry, looked up at each call as torch.autograd.backward does (a patch of
+# it, torch.compiler's or a user's, is seen). A torch without it (or a loss a torch-function
+# mode or subclass intercepts) goes through torch.autograd.backward.
 _intercepted = torch._C._has_torch_function_unary
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def _backward_from(loss: torch.Tensor, seed: torch.Tensor) -> None:
     """``torch.autograd.backward(loss, seed)`` for a plain 0-d loss and a seed shaped like it."""
-    if _engine_backward is None or _intercepted(loss):
+    engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if engine is None or _intercepted(loss):
         torch.autograd.backward(loss, seed)
     else:
-        _engine_backward(
-            (loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True
-        )
+        engine((loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 class Weighting:
@@ -62,6 +62,8 @@ class Weighting:
             and type(loss) is torch.Tensor
             and loss.ndim == 0
             and loss.is_floating_point()
+            and torch.is_grad_enabled()  # else the division's error, as by hand
+            and not _functorch_active()  # else torch.autograd.backward's refusal
         ):
             self.backward_seeded(loss)
             return 1, None
@@ -75,20 +77,17 @@ class Weighting:
     def backward_seeded(self, loss: torch.Tensor) -> None:
         """Back-propagate an unweighted micro-step's ``loss`` from the gradient ``1 / every``
         (``_normalize.seed_gradient``): the gradients of ``(loss / every).backward()``, bit
-        for bit, with one graph node and one tensor op less per micro-step.
+        for bit, with one graph node less per micro-step (a copy instead of the division).
 
-        The seed is built once per dtype and device. A backward that changed it in place (a
-        hook or a custom Function writing into its incoming gradient) saw the right value
-        first, as with a fresh one; the changed seed is dropped, never reused."""
+        The value is computed once per dtype and device; each backward gets a fresh copy, as
+        the hand loop's DivBackward hands out a fresh tensor: autograd may make it (a view of
+        it) a parameter's ``.grad`` (a loss that reaches a parameter through views only), and
+        a hook may write into it; neither may reach the next micro-step."""
         key = (loss.dtype, loss.device)
         seed = self._seeds.get(key)
         if seed is None:
             seed = self._seeds[key] = seed_gradient(loss.dtype, loss.device, self.every)
-        try:
-            _backward_from(loss, seed)
-        finally:
-            if seed._version:
-                del self._seeds[key]
+        _backward_from(loss, seed.clone())
 
     def scaled(
         self, loss: torch.Tensor, weight: Weight | None, window: Window, first: bool
