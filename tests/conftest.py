@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     for item in items:
         names = getattr(item, "fixturenames", ())
-        if item.get_closest_marker("dist_group") or "dist_results" in names:
+        if item.get_closest_marker("dist_group") or {"dist_results", "dist4_results"} & set(names):
             # The session-wide launches (2 and 4 ranks, every scenario of every file, two
             # minutes on 2 cores) are deep. CI's processes are the module-scoped launches of
             # test_accumulate_ddp.py and test_loop_control_ddp.py (DDP on 2 gloo ranks).

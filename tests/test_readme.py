@@ -14,7 +14,7 @@ from helpers import ROOT
 README = (ROOT / "README.md").read_text()
 CI = (ROOT / ".ci" / "run").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, flags=re.M | re.S)
-SETUP = "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e "
+SETUP = "python -m venv .venv && . .venv/bin/activate && pip install --no-compile torch==2.13.0 -e "
 # A path entry, not setuptools' default import hook: mypy (and other tools) then find
 # loopkit's sources and its py.typed after an editable install.
 EDITABLE = "--config-settings editable_mode=compat"

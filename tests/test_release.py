@@ -13,7 +13,9 @@ import pytest
 from helpers import ROOT
 
 CI = (ROOT / ".ci" / "run").read_text()
-README_TEST = 'pip install torch==2.13.0 -e ".[dev]" --config-settings editable_mode=compat'
+README_TEST = (
+    'pip install --no-compile torch==2.13.0 -e ".[dev]" --config-settings editable_mode=compat'
+)
 
 
 def _check_dist() -> ModuleType:

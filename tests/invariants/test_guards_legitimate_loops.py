@@ -80,6 +80,8 @@ class _Unraisable:
         self.seen.append(f"{unraisable.exc_type.__name__}: {unraisable.exc_value}")
 
     def __enter__(self) -> _Unraisable:
+        # What earlier tests on this worker left for the collector is theirs, not this loop's.
+        gc.collect()
         self._old = sys.unraisablehook
         sys.unraisablehook = self
         return self
