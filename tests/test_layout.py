@@ -25,12 +25,10 @@ MAX_MODULE_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the package but the linter, by dotted name."""
+    """Every module of the package, the linter's included, by dotted name."""
     out: dict[str, Path] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[1:2] == ("lint",):
-            continue
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out

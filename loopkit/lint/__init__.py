@@ -14,10 +14,13 @@ here imports torch, so a CI job can lint without installing it. ``--fix`` (and
 ``fix_source``) rewrites the findings whose fix keeps every result bit for bit, and shows
 the others as suggestions, each with why it could change a result.
 
-Layout: ``_syntax`` (pure questions about one node), ``_script`` (the script model: loops,
-scopes, grad-off regions, training steps), ``_rule`` (the ``@rule`` declaration),
-``_rules/<theme>.py`` (the rules), ``_registry`` (collects them), ``_findings``,
-``_calls`` (calls followed out of the loop), ``_check``, ``_fix`` (with ``_rewrites``, what
+Layout, each layer importing only those below it: ``_syntax`` (pure questions about one
+node), ``_names`` and ``_parsed`` (one file's own text: scopes, names, loops, grad-off
+regions), ``_branches`` and ``_shape`` (cadences, error paths, training steps),
+``_program`` (the whole program: calls followed between files, what runs per step or once,
+which files run on an accelerator), ``_flags``, ``_script`` (what the rules ask: a file and
+its program), ``_declaration`` (the ``@rule`` declaration), ``_rules/<theme>.py`` (the rules),
+``_registry`` (collects them), ``_findings``, ``_check``, ``_fix`` (with ``_rewrites``, what
 each fix writes, and ``_text``, source positions) and ``_cli``.
 """
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from ._syntax import assigned_names, dotted, has_mod, walk_scope
 
 if TYPE_CHECKING:
-    from ._script import Script
+    from ._parsed import SourceFile
 
 
-def guarded_by_mod(script: Script, node: ast.AST, stop: ast.AST) -> bool:
+def guarded_by_mod(script: SourceFile, node: ast.AST, stop: ast.AST) -> bool:
     """True when ``node`` runs only under an ``if`` whose test has ``%`` (below ``stop``),
     directly or through a name bound to one (``reg = i % k == 0``; ``if reg:``)."""
     child, parent = node, script.parents.get(node)
@@ -28,7 +28,7 @@ def guarded_by_mod(script: Script, node: ast.AST, stop: ast.AST) -> bool:
     return False
 
 
-def _cadence(script: Script, test: ast.expr) -> bool:
+def _cadence(script: SourceFile, test: ast.expr) -> bool:
     """A ``%`` in the test, or a name in it whose every binding in its function has one."""
     if has_mod(test):
         return True
@@ -42,7 +42,7 @@ def _cadence(script: Script, test: ast.expr) -> bool:
     return False
 
 
-def _ends(script: Script, branch: ast.If, stop: ast.AST) -> bool:
+def _ends(script: SourceFile, branch: ast.If, stop: ast.AST) -> bool:
     """Whether ``branch``'s body ends the run or the step loop: ``raise``,
     ``sys.exit(...)``; ``return`` when ``stop`` is a loop (training ends), ``break`` of
     ``stop`` itscript. A ``return`` in a function called per step is its normal path."""
@@ -58,7 +58,7 @@ def _ends(script: Script, branch: ast.If, stop: ast.AST) -> bool:
     return False
 
 
-def in_error_exit(script: Script, node: ast.AST, stop: ast.AST) -> bool:
+def in_error_exit(script: SourceFile, node: ast.AST, stop: ast.AST) -> bool:
     """True when ``node`` sits in the body of an ``if`` (below ``stop``) that always ends
     the step or the run (``raise``, ``sys.exit``, ``return``, ``break``): an error path
     that runs at most once, not per step. Its test still runs every step."""

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import ast
+import os
 import sys
 import tokenize
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from ._calls import Project
+from ._declaration import Rule
 from ._findings import Finding, one_per_line, unsilenced
+from ._imports import MAX_FILES, local_imports
 from ._registry import rules_for
-from ._rule import Rule
-from ._script import Script
+from ._script import Script, whole_program
 
 
 def check_source(
@@ -24,7 +25,7 @@ def check_source(
     ``select``: the codes to check (only their rules run); None, every rule on by default.
     """
     script = parse(source, path)
-    Project([script])
+    whole_program([script])
     return _check(script, source, rules_for(select))
 
 
@@ -37,7 +38,7 @@ def check_sources(
     that does not parse."""
     rules = rules_for(select)
     parsed = [(parse(source, path), source) for path, source in sources.items()]
-    Project([script for script, _ in parsed])
+    whole_program([script for script, _ in parsed])
     return [f for script, source in parsed for f in _check(script, source, rules)]
 
 
@@ -86,35 +87,54 @@ def _report_skip(path: str, reason: str) -> None:
     print(f"{path}: skipped, {reason}", file=sys.stderr)
 
 
+def _report_unseen(path: str, modules: list[str]) -> None:
+    listed = ", ".join(modules)
+    print(
+        f"{path}: imports {listed}, not checked with it (single-file mode): what runs there "
+        "every step, and whether it runs on the device, is unseen",
+        file=sys.stderr,
+    )
+
+
 def check_paths(
     paths: Iterable[str | Path],
     *,
     select: Iterable[str] | None = None,
     on_skip: Callable[[str, str], None] = _report_skip,
+    follow_imports: bool = True,
+    on_unseen: Callable[[str, list[str]], None] | None = None,
 ) -> list[Finding]:
-    """Check every Python file under ``paths``; files that do not parse go to ``on_skip``.
+    """Check every Python file under ``paths`` as one program; files that do not parse go to
+    ``on_skip``.
 
     ``select``: the codes to check (only their rules run); None, every rule on by default.
+    ``follow_imports``: the program's own modules that the files import (found on disk, see
+    _imports) are checked with them, and their findings reported; False (single-file mode):
+    only the files named, and each file's imports of modules left out go to ``on_unseen``
+    (None: a line on stderr each).
     """
     rules = rules_for(select)
     parsed: list[tuple[Script, str]] = []
-    for file in iter_python_files(paths):
-        name = str(file)
-        try:
-            with tokenize.open(file) as handle:  # honours a PEP 263 coding line
-                source = handle.read()
-        except (SyntaxError, UnicodeDecodeError) as exc:
-            on_skip(name, f"cannot parse: {exc}")
+    named = list(iter_python_files(paths))
+    seen = {_real(f) for f in named}
+    queue = list(named)
+    while queue:
+        file = queue.pop(0)
+        loaded = _load(file, on_skip)
+        if loaded is None:
             continue
-        except OSError as exc:
-            on_skip(name, f"cannot read: {exc}")
+        parsed.append(loaded)
+        local = [p for p in local_imports(loaded[0]) if _real(p) not in seen]
+        if not follow_imports:
+            if local:
+                (on_unseen or _report_unseen)(str(file), [str(p) for p in local])
             continue
-        try:
-            parsed.append((parse(source, name), source))
-        except (SyntaxError, ValueError, RecursionError) as exc:
-            on_skip(name, f"cannot parse: {exc}")
+        for module in local:
+            if len(seen) < MAX_FILES:
+                seen.add(_real(module))
+                queue.append(module)
     # Checked together: a call in one file is followed into the functions of the others.
-    Project([script for script, _ in parsed])
+    whole_program([script for script, _ in parsed])
     findings: list[Finding] = []
     for script, source in parsed:
         try:
@@ -122,3 +142,26 @@ def check_paths(
         except RecursionError as exc:
             on_skip(script.path, f"cannot check: {exc}")
     return findings
+
+
+def _real(path: Path) -> str:
+    return os.path.normcase(os.path.realpath(path))
+
+
+def _load(file: Path, on_skip: Callable[[str, str], None]) -> tuple[Script, str] | None:
+    """One file parsed, or None (told to ``on_skip``)."""
+    name = str(file)
+    try:
+        with tokenize.open(file) as handle:  # honours a PEP 263 coding line
+            source = handle.read()
+    except (SyntaxError, UnicodeDecodeError) as exc:
+        on_skip(name, f"cannot parse: {exc}")
+        return None
+    except OSError as exc:
+        on_skip(name, f"cannot read: {exc}")
+        return None
+    try:
+        return parse(source, name), source
+    except (SyntaxError, ValueError, RecursionError) as exc:
+        on_skip(name, f"cannot parse: {exc}")
+        return None

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ._check import check_paths, iter_python_files, parse
+from ._explain import explain
 from ._findings import Finding
 from ._fix import fix_source, fixable_codes
 from ._registry import REGISTRY
@@ -21,9 +22,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line: print the findings; 1 if any, 0 if clean, 2 on a usage error."""
     parser = argparse.ArgumentParser(
         prog="python -m loopkit.lint",
+        usage="%(prog)s [-h] [--format {text,json}] [--select SELECT | --all] [--single-file] "
+        "[--fix] [--write] PATH [PATH ...]\n       %(prog)s --explain CODE",
         description="Find the training-loop habits that slow PyTorch down, without running them.",
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (*.py)")
+    # Required, except with --explain (checked below: argparse cannot say "unless").
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (*.py)")
+    parser.add_argument(
+        "--explain",
+        metavar="CODE",
+        help="print what rule CODE flags, why it costs, when the cost is real and when it is "
+        "not, and its fix; takes no PATH",
+    )
     parser.add_argument("--format", choices=["text", "json"], default="text")
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -38,7 +48,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rewrites that could change a result as suggestions, with why",
     )
     parser.add_argument("--write", action="store_true", help="with --fix: write the fixes")
+    parser.add_argument(
+        "--single-file",
+        action="store_true",
+        help="check only the files named, not the program's own modules they import (by "
+        "default those are checked with them: a helper's per-step reads are found, and it "
+        "runs on the device of the script importing it); says on stderr which imports it "
+        "did not see",
+    )
     args = parser.parse_args(argv)
+    if args.explain is not None:
+        return _explain(parser, args)
+    if not args.paths:
+        parser.error("the following arguments are required: PATH")
     if args.write and not args.fix:
         parser.error("--write needs --fix (it writes the fixes --fix finds)")
     if args.fix and args.format != "text":
@@ -59,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.fix:
         return _fix(args.paths, select, write=args.write)
-    findings = check_paths(args.paths, select=select)
+    findings = check_paths(args.paths, select=select, follow_imports=not args.single_file)
     if args.format == "json":
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:
@@ -71,6 +93,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print("No problems found.")
     return 1 if findings else 0
+
+
+def _explain(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Print rule ``--explain CODE``'s text: 0, or a usage error for an unknown code or for
+    anything else asked with it."""
+    code = args.explain.strip().upper()
+    others = [
+        name
+        for name, given in (
+            ("PATH", args.paths),
+            ("--fix", args.fix),
+            ("--write", args.write),
+            ("--select", args.select is not None),
+            ("--all", args.all),
+            ("--single-file", args.single_file),
+            ("--format json", args.format != "text"),
+        )
+        if given
+    ]
+    if others:
+        parser.error(
+            f"--explain prints one rule's explanation and checks nothing: it takes no "
+            f"{', '.join(others)}"
+        )
+    if code not in REGISTRY:
+        parser.error(f"unknown code for --explain: {args.explain}; known: {', '.join(REGISTRY)}")
+    print(explain(code), end="")
+    return 0
 
 
 def _fix(paths: list[str], select: list[str] | None, *, write: bool) -> int:

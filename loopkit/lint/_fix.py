@@ -27,12 +27,11 @@ import ast
 import warnings
 from collections.abc import Callable, Iterable
 
-from ._calls import Project
 from ._check import parse
 from ._findings import Finding, ignored_codes
 from ._registry import REGISTRY
 from ._rewrites import Declined, Edit, Rewrite, host_factory, set_to_none
-from ._script import Script
+from ._script import Script, whole_program
 from ._text import Text
 
 Rewriter = Callable[[ast.AST, Script, Text], Rewrite | Declined | None]
@@ -80,7 +79,7 @@ def _findings(
 ) -> tuple[Script, list[Rewrite], list[Finding]]:
     """The rewrites of one pass, and the suggestions, at the findings no comment silences."""
     script = parse(source, path)
-    Project([script])
+    whole_program([script])
     ignored = ignored_codes(source)
     text = Text(source)
     rewrites: list[Rewrite] = []

@@ -4,17 +4,13 @@ to False/None (``forward(x, reverse=False)``) and that only calls off the step s
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING
 
+from ._program import F, Func, Program
 from ._syntax import FUNCS, dotted, receiver
 from ._syntax import method as method_name
 
-if TYPE_CHECKING:
-    from ._calls import Func, Project
-    from ._script import Script
 
-
-def in_flag_branch(project: Project, script: Script, node: ast.AST, func: ast.AST) -> bool:
+def in_flag_branch(project: Program[F], script: F, node: ast.AST, func: ast.AST) -> bool:
     """Whether ``node`` runs only when a parameter of ``func`` that defaults to
     False/None is set (``if reverse:``, the ``else`` of ``if not reverse:``), and every
     call that may run ``func`` and sets it is off the training step (in no ``forward``,
@@ -39,7 +35,7 @@ def in_flag_branch(project: Project, script: Script, node: ast.AST, func: ast.AS
     return False
 
 
-def _set_off_step(project: Project, script: Script, func: Func, flag: str, index: int) -> bool:
+def _set_off_step(project: Program[F], script: F, func: Func, flag: str, index: int) -> bool:
     sites = _possible_callers(project, script, func)
     if not sites:
         return False  # nothing visible calls it: undecided, keep the finding
@@ -59,9 +55,7 @@ def _set_off_step(project: Project, script: Script, func: Func, flag: str, index
     return True
 
 
-def _possible_callers(
-    project: Project, script: Script, func: Func
-) -> list[tuple[Script, ast.Call]]:
+def _possible_callers(project: Program[F], script: F, func: Func) -> list[tuple[F, ast.Call]]:
     """The calls that run ``func``, and, for a method, the calls on an object one of
     whose bindings is its class (``project.dp = A(...)`` or ``B(...)``: ``project.dp(x)``)."""
     sites = list(project.callers(script, func))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from types import ModuleType
 
-from ._rule import Rule
+from ._declaration import Rule
 from ._rules import accumulation, autograd, data, memory, parallel, syncs
 
 THEMES: tuple[ModuleType, ...] = (syncs, memory, data, autograd, accumulation, parallel)

@@ -1,59 +1,40 @@
-"""The script model the rules ask: where a node runs (loops, scopes, grad-off regions), which
-loops train, which calls step the optimizer.
-
-Everything past the parent map is computed on first use, so a run of a few selected rules
-pays only for what those rules ask.
-"""
+"""The model the rules ask: one file's own text (``_parsed``) and what the whole program says of
+it (``_program``): which of its functions run every training step or once, and whether it runs
+on an accelerator. Building one program of the files checked together is ``whole_program``."""
 
 from __future__ import annotations
 
 import ast
-from functools import cached_property
 
 from ._branches import guarded_by_mod, in_error_exit
-from ._calls import Func, Project, Reach
 from ._flags import in_flag_branch
-from ._names import FileNames
-from ._shape import TrainingShape, training_shape
-from ._syntax import (
-    FUNCS,
-    LOOP_OR_SCOPE,
-    SCOPES,
-    callee,
-    dotted,
-    is_detached,
-    mentions_grad_off,
-    method,
-    receiver,
-    walk_scope,
-    walk_stmts,
-)
+from ._parsed import Loop, SourceFile
+from ._program import Func, Program, Reach
+from ._shape import TrainingShape
 
-Loop = ast.For | ast.AsyncFor | ast.While
-_ACCELERATORS = ("cuda", "mps", "xpu", "npu")
+__all__ = ["Loop", "Script", "whole_program"]
 
 
-class Script(FileNames):
-    """One parsed file; the questions the rules ask about it."""
+class Script(SourceFile):
+    """One parsed file of a program; the questions the rules ask about it."""
 
     def __init__(self, tree: ast.Module, path: str = "<string>") -> None:
         super().__init__(tree, path)
-        self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-        # Set by the Project this file is checked with (the files of one run, or this one).
-        self.project: Project | None = None
+        # Set by whole_program(): the files of one run, or this one alone.
+        self.project: Program[Script] | None = None
 
-    # ---- calls followed (see _calls) ---------------------------------------------------
+    def _project(self) -> Program[Script]:
+        if self.project is None:
+            whole_program([self])
+        assert self.project is not None
+        return self.project
+
+    # ---- what the program says -------------------------------------------------------
 
     @property
     def reached(self) -> dict[ast.AST, Reach]:
         """Functions (of any file checked with this one) that run every training step."""
         return self._project().per_step
-
-    def _project(self) -> Project:
-        if self.project is None:
-            Project([self])
-        assert self.project is not None
-        return self.project
 
     def reach_of(self, node: ast.AST) -> Reach | None:
         """How ``node``'s function is reached every step, if it is (and ``node`` is not
@@ -66,7 +47,7 @@ class Script(FileNames):
 
     def in_flag_branch(self, node: ast.AST, func: ast.AST) -> bool:
         """Whether ``node`` runs only when a parameter of ``func`` defaulting to False/None
-        is set, and only calls off the training step set it (see _calls)."""
+        is set, and only calls off the training step set it (see _flags)."""
         return in_flag_branch(self._project(), self, node, func)
 
     def resolve_reference(self, ref: ast.Name | ast.Attribute) -> tuple[Script, Func] | None:
@@ -74,208 +55,39 @@ class Script(FileNames):
         return self._project().resolve_reference(self, ref)
 
     def runs_once(self, node: ast.AST) -> bool:
-        """Whether ``node`` runs once per run, outside every training loop (see _calls)."""
+        """Whether ``node`` runs once per run, outside every training loop (see _program)."""
         return self._project().runs_once(self, node)
 
-    def callers(
-        self, func: ast.FunctionDef | ast.AsyncFunctionDef
-    ) -> list[tuple[Script, ast.Call]]:
+    def callers(self, func: Func) -> list[tuple[Script, ast.Call]]:
         """The calls, in the files checked with this one, that run ``func``."""
         return self._project().callers(self, func)
 
-    def calls_to(self, name: str) -> list[ast.Call]:
-        """Calls whose callee's last name is ``name``: ``torch.utils.data.DataLoader(...)``."""
-        return [c for c in self.calls if callee(c) == name]
+    @property
+    def shape(self) -> TrainingShape:
+        """The training loops and the per-step ones among them (see _shape)."""
+        return self._project().shape(self)
 
-    def method_calls(self, name: str) -> list[ast.Call]:
-        """Calls ``x.name(...)``."""
-        return [c for c in self.calls if method(c) == name]
+    @property
+    def uses_accelerator(self) -> bool:
+        """Whether this file runs on an accelerator in its program (on a CPU, syncs cost
+        nothing): its own text says so, or a file that does imports it (see _program)."""
+        return self._project().on_device(self)
 
-    # ---- where a node runs -------------------------------------------------------------
-
-    def loops_of(self, node: ast.AST) -> list[Loop]:
-        """The loops that repeat ``node``, innermost first, inside its own function."""
-        loops: list[Loop] = []
-        child, parent = node, self.parents.get(node)
-        while parent is not None and not isinstance(parent, SCOPES):
-            if isinstance(parent, ast.For | ast.AsyncFor):
-                if any(s is child for s in parent.body):
-                    loops.append(parent)
-            elif isinstance(parent, ast.While) and (
-                child is parent.test or any(s is child for s in parent.body)
-            ):
-                loops.append(parent)
-            child, parent = parent, self.parents.get(parent)
-        return loops
+    # ---- where a node runs under a branch (see _branches) ----------------------------
 
     def guarded_by_mod(self, node: ast.AST, stop: ast.AST) -> bool:
         """True when ``node`` runs only under an ``if`` whose test has ``%`` (below ``stop``),
-        directly or through a name bound to one (see _branches)."""
+        directly or through a name bound to one."""
         return guarded_by_mod(self, node, stop)
 
     def in_error_exit(self, node: ast.AST, stop: ast.AST) -> bool:
-        """True when ``node`` is on an error path that ends the run (see _branches)."""
+        """True when ``node`` is on an error path that ends the run."""
         return in_error_exit(self, node, stop)
 
-    def loop_body(self, loop: ast.AST) -> list[ast.AST]:
-        """The nodes of ``loop`` that run once per its iteration (not in an inner loop)."""
-        return [n for n in walk_scope(loop) if self.loops_of(n)[:1] == [loop]]
 
-    def in_try(self, node: ast.AST) -> bool:
-        """True when ``node`` runs in a ``try`` block or one of its handlers (in its function)."""
-        parent = self.parents.get(node)
-        while parent is not None and not isinstance(parent, SCOPES):
-            if isinstance(parent, ast.Try):
-                return True
-            parent = self.parents.get(parent)
-        return False
-
-    def evaluates(self, loop: ast.AST) -> bool:
-        """Whether ``loop`` is an evaluation loop: no backward in it, and autograd off around
-        it or in its body, or it is in a function named for evaluation (evaluate,
-        estimate_loss, validate)."""
-        if any(isinstance(n, ast.Call) and method(n) == "backward" for n in ast.walk(loop)):
-            return False
-        if self.grad_off(loop):
-            return True
-        # for batch in eval_loader: with torch.no_grad(): out = model(batch) ...
-        if any(
-            isinstance(n, ast.With | ast.AsyncWith)
-            and any(mentions_grad_off(i.context_expr) for i in n.items)
-            for n in walk_stmts(getattr(loop, "body", []))
-        ):
-            return True
-        scope = self.scope_of(loop)
-        name = scope.name.lower() if isinstance(scope, FUNCS) else ""
-        return any(word in name for word in ("eval", "estimate", "valid", "test"))
-
-    def grad_off(self, node: ast.AST) -> bool:
-        """True when ``node`` runs under ``with torch.no_grad()`` or a no-grad decorator."""
-        parent = self.parents.get(node)
-        while parent is not None:
-            if isinstance(parent, ast.With | ast.AsyncWith) and any(
-                mentions_grad_off(item.context_expr) for item in parent.items
-            ):
-                return True
-            if isinstance(parent, FUNCS) and any(
-                mentions_grad_off(d) for d in parent.decorator_list
-            ):
-                return True
-            parent = self.parents.get(parent)
-        return False
-
-    def preceding(self, node: ast.AST) -> list[ast.stmt]:
-        """Statements that run before ``node`` on its path, in its function (same branch)."""
-        before: list[ast.stmt] = []
-        while True:
-            parent = self.parents.get(node)
-            if parent is None or isinstance(node, SCOPES):
-                return before
-            for _, value in ast.iter_fields(parent):
-                if isinstance(value, list) and any(v is node for v in value):
-                    index = next(i for i, v in enumerate(value) if v is node)
-                    before.extend(v for v in value[:index] if isinstance(v, ast.stmt))
-            node = parent
-
-    def following(self, stmt: ast.stmt) -> list[ast.stmt]:
-        """Statements that run after ``stmt`` before its enclosing loop repeats or returns."""
-        after: list[ast.stmt] = []
-        node: ast.AST = stmt
-        while True:
-            parent = self.parents.get(node)
-            if parent is None:
-                return after
-            for _, value in ast.iter_fields(parent):
-                if isinstance(value, list) and any(v is node for v in value):
-                    index = next(i for i, v in enumerate(value) if v is node)
-                    after.extend(v for v in value[index + 1 :] if isinstance(v, ast.stmt))
-            if isinstance(parent, LOOP_OR_SCOPE):
-                return after
-            node = parent
-
-    # ---- what trains -------------------------------------------------------------------
-
-    @cached_property
-    def optimizer_steps(self) -> frozenset[ast.Call]:
-        """``optimizer.step()``/``scaler.step(opt)`` calls; schedulers and loopkit.step not."""
-        steps: set[ast.Call] = set()
-        for call in self.method_calls("step"):
-            name = dotted(receiver(call)) or ""
-            if "sched" not in name.lower() and name != "loopkit":
-                steps.add(call)
-        return frozenset(steps)
-
-    @cached_property
-    def shape(self) -> TrainingShape:
-        """The training loops and the per-step ones among them (see _shape)."""
-        return training_shape(self)
-
-    # ---- the script's context ----------------------------------------------------------
-
-    @cached_property
-    def uses_accelerator(self) -> bool:
-        """Whether the script can run on an accelerator at all (on a CPU, syncs cost nothing):
-        it names cuda/mps/xpu/npu or an accelerator, or moves tensors to a device or rank."""
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if any(d in node.value for d in _ACCELERATORS):
-                    return True
-            elif isinstance(node, ast.Call) and method(node) == "to" and node.args:
-                moved_to = dotted(node.args[0]) or ""
-                if "dev" in moved_to.lower() or "rank" in moved_to.lower():
-                    return True  # x.to(device), x.to(local_rank)
-            elif isinstance(node, ast.Attribute | ast.Name):
-                name = (node.attr if isinstance(node, ast.Attribute) else node.id).lower()
-                if name in {*_ACCELERATORS, "accelerator", "device_type"} or any(
-                    word in name for word in ("local_rank", "gpu")
-                ):
-                    return True
-        return False
-
-    @cached_property
-    def uses_rpc(self) -> bool:
-        """Whether the script uses torch.distributed.rpc (tensors travel through the host;
-        dist_autograd keeps gradients per context, so nothing needs zeroing)."""
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Import | ast.ImportFrom):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-                names += [a.name for a in node.names]
-                if any("rpc" in n.split(".") or ("autograd" in n and "dist" in n) for n in names):
-                    return True
-        return False
-
-    @cached_property
-    def sums_grads_by_hand(self) -> bool:
-        """Whether the script adds into ``.grad`` itself (``p.grad += g``): it needs the
-        gradients zeroed in place, not set to None."""
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.AugAssign):
-                target: ast.expr = node.target
-                while isinstance(target, ast.Subscript):
-                    target = target.value
-                if isinstance(target, ast.Attribute) and target.attr == "grad":
-                    return True
-            elif isinstance(node, ast.Call) and method(node) in {"add_", "copy_", "div_"}:
-                grad = receiver(node)
-                if isinstance(grad, ast.Attribute) and grad.attr == "grad":
-                    return True
-        return False
-
-    # ---- what holds a graph ------------------------------------------------------------
-
-    @cached_property
-    def float_funcs(self) -> frozenset[str]:
-        """Functions of this file whose every return value holds no graph (loss.item(), ...)."""
-        names: set[str] = set()
-        for func in ast.walk(self.tree):
-            if isinstance(func, FUNCS):
-                returns = [n for n in walk_scope(func) if isinstance(n, ast.Return)]
-                if returns and all(is_detached(r.value) for r in returns):
-                    names.add(func.name)
-        return frozenset(names)
-
-    def holds_no_graph(self, value: ast.AST | None) -> bool:
-        """True for ``loss.item()``, ``loss.detach()``, ``float(x)``, or a local float helper."""
-        if isinstance(value, ast.Call) and callee(value) in self.float_funcs:
-            return True
-        return is_detached(value)
+def whole_program(scripts: list[Script]) -> Program[Script]:
+    """The program of ``scripts``, checked together: each one's ``project`` is set to it."""
+    program = Program(scripts)
+    for script in scripts:
+        script.project = program
+    return program

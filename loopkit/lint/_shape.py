@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ._syntax import FUNCS, assigned_names, dotted, walk_stmts
 
 if TYPE_CHECKING:
-    from ._script import Script
+    from ._parsed import SourceFile
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class TrainingShape:
     called_step_funcs: frozenset[ast.AST]  # one-step functions some loop calls
 
 
-def training_shape(script: Script) -> TrainingShape:
+def training_shape(script: SourceFile) -> TrainingShape:
     """Find the training loops (they contain backward) and the per-step ones among them."""
     training: set[ast.AST] = set()
     step_loops: set[ast.AST] = set()
@@ -70,7 +70,7 @@ def training_shape(script: Script) -> TrainingShape:
 
 
 def _step_func_called(
-    script: Script, call: ast.Call, step_funcs: dict[str, ast.AST]
+    script: SourceFile, call: ast.Call, step_funcs: dict[str, ast.AST]
 ) -> ast.AST | None:
     """The one-step function a call runs: by its name, or a method through ``self.``."""
     if isinstance(call.func, ast.Name):
@@ -82,7 +82,7 @@ def _step_func_called(
     return None
 
 
-def _scaler_steps(script: Script) -> list[ast.Call]:
+def _scaler_steps(script: SourceFile) -> list[ast.Call]:
     """Calls that back-propagate and step in one: ``loss_scaler(loss, optimizer, ...)``
     (timm's NativeScaler), a callable given first a loss computed in the same loop (not a
     loss function passed in: ``train_epoch(loss_fn, optimizer)``) and an optimizer."""

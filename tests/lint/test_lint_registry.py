@@ -19,8 +19,8 @@ from helpers import ROOT
 
 from loopkit import lint
 from loopkit.lint import _registry
+from loopkit.lint._declaration import Hit, Rule
 from loopkit.lint._registry import REGISTRY
-from loopkit.lint._rule import Hit, Rule
 from loopkit.lint._script import Script
 
 CORPUS = ROOT / "tests" / "lint" / "corpus"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from .._rule import Hit, rule
+from .._declaration import Hit, rule
 from .._script import Script
 from .._syntax import (
     LOOPS,

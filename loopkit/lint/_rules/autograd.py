@@ -6,7 +6,7 @@ import ast
 import sys
 from collections.abc import Iterator
 
-from .._rule import Hit, rule
+from .._declaration import Hit, rule
 from .._script import Script
 from .._syntax import (
     FUNCS,

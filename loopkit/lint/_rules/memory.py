@@ -5,8 +5,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from .._calls import qualname
-from .._rule import Hit, rule
+from .._declaration import Hit, rule
+from .._program import qualname
 from .._script import Script
 from .._syntax import (
     FUNCS,

@@ -6,8 +6,8 @@ import ast
 import itertools
 from collections.abc import Iterator
 
-from .._calls import Reach, qualname
-from .._rule import Hit, rule
+from .._declaration import Hit, rule
+from .._program import Reach, qualname
 from .._script import Script
 from .._syntax import (
     assigned_names,
@@ -94,8 +94,8 @@ def _syncs_in_called_functions(script: Script) -> Iterator[Hit]:
             continue  # `if isinstance(v, Tensor): v = v.item()`, only ever given floats
         if host_built(script, call) or feeds_an_environment(script, call):
             continue
-        if not (script.uses_accelerator or reach.root.uses_accelerator):
-            continue
+        if not script.uses_accelerator:
+            continue  # the program's: a helper runs on the device of the script importing it
         yield (
             call,
             f"`.{name}()` every step in `{qualname(script, script.scope_of(call))}`, "
@@ -352,7 +352,7 @@ def _of_a_metric(script: Script, call: ast.Call) -> bool:
 def implicit_bool(script: Script) -> Iterator[Hit]:
     seen: set[int] = set()
     for node, losses, stop, reach in _step_nodes(script):
-        if not (script.uses_accelerator or (reach is not None and reach.root.uses_accelerator)):
+        if not script.uses_accelerator:
             continue  # a CPU-only script: the truth of a CPU tensor waits for nothing
         where = "" if reach is None else f" in `{qualname(script, stop)}`, {reach.describe()}"
         test = _test_of(node)

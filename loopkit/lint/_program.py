@@ -1,5 +1,9 @@
-"""Calls followed out of the loop: which functions and methods of the checked files run every
-training step, and by which chain of calls; which run once (after training, say) or per epoch.
+"""The whole program: the files checked together, the calls followed between them, which
+functions and methods run every training step (and by which chain of calls), which run once
+(after training, say) or per epoch, and which files run on an accelerator.
+
+This is the layer that knows the program; the rules ask it through ``Script`` (``_script``),
+and it asks each file only what its own text says (``_parsed``), so nothing below imports back.
 
 A call is resolved only to a definition the linter can see: a function of the same file (a
 module-level one, or one nested in an enclosing function), a method through ``self.m()``
@@ -16,15 +20,17 @@ import ast
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
+from ._branches import guarded_by_mod
+from ._imports import imported_modules
+from ._parsed import SourceFile
+from ._shape import TrainingShape, training_shape
 from ._syntax import FUNCS, dotted, walk_scope, walk_stmts
 
-if TYPE_CHECKING:
-    from ._script import Script
-
 Func = ast.FunctionDef | ast.AsyncFunctionDef
-Target = tuple["Script", Func]
+# The file type the program holds (the rules' Script): what it hands back is of that type.
+F = TypeVar("F", bound=SourceFile)
 # Deeper chains than this are rare and their findings hard to act on; the bound also keeps the
 # search linear (each function is entered once, by its shortest chain).
 MAX_DEPTH = 6
@@ -34,7 +40,7 @@ MAX_DEPTH = 6
 class Reach:
     """How a function is reached every step: the loop's file, line and function, then callees."""
 
-    root: Script  # the file whose training loop starts the chain
+    root: SourceFile  # the file whose training loop starts the chain
     line: int  # the first call, in that loop (or per-step function)
     names: tuple[str, ...]  # the loop's function, then each function entered
 
@@ -43,7 +49,7 @@ class Reach:
         return f"reached from {self.root.path}:{self.line} {' -> '.join(self.names)}"
 
 
-def qualname(script: Script, func: ast.AST) -> str:
+def qualname(script: SourceFile, func: ast.AST) -> str:
     """``f``, or ``Class.method`` for a method."""
     if not isinstance(func, FUNCS):
         return "<module>"
@@ -51,18 +57,24 @@ def qualname(script: Script, func: ast.AST) -> str:
     return f"{owner.name}.{func.name}" if isinstance(owner, ast.ClassDef) else func.name
 
 
-class Project:
+class Program(Generic[F]):
     """The files checked together: calls resolved across them, per-step reach computed once."""
 
-    def __init__(self, scripts: list[Script]) -> None:
+    def __init__(self, scripts: list[F]) -> None:
         self.scripts = scripts
         self.by_file = {_norm(s.path): s for s in scripts}
-        for script in scripts:
-            script.project = self
+        self._shapes: dict[int, TrainingShape] = {}
+
+    def shape(self, script: SourceFile) -> TrainingShape:
+        """The training loops of ``script`` and the per-step ones among them (see _shape)."""
+        found = self._shapes.get(id(script))
+        if found is None:
+            found = self._shapes[id(script)] = training_shape(script)
+        return found
 
     # ---- resolving one call ---------------------------------------------------------------
 
-    def resolve(self, script: Script, call: ast.Call) -> tuple[Script, Func] | None:
+    def resolve(self, script: F, call: ast.Call) -> tuple[F, Func] | None:
         """The definition a call runs, where the linter can see it; else None."""
         func = call.func
         if isinstance(func, ast.Name):
@@ -106,7 +118,7 @@ class Project:
                     return target, found
         return None
 
-    def resolve_reference(self, script: Script, ref: ast.Name | ast.Attribute) -> Target | None:
+    def resolve_reference(self, script: F, ref: ast.Name | ast.Attribute) -> tuple[F, Func] | None:
         """The function a name refers to without calling it (``collate_fn=utils.collate``),
         resolved as a call of it would be (this file, or a file checked with it)."""
         probe = ast.Call(func=ref, args=[], keywords=[])
@@ -116,9 +128,9 @@ class Project:
         finally:
             del script.parents[probe]
 
-    def _class(self, script: Script, value: ast.expr) -> tuple[Script, ast.ClassDef] | None:
+    def _class(self, script: F, value: ast.expr) -> tuple[F, ast.ClassDef] | None:
         """The class a constructor call names: ``Logger``, ``utils.MetricLogger``."""
-        target: Script | None = None
+        target: F | None = None
         name = ""
         if isinstance(value, ast.Name):
             local = script.classes.get(value.id)
@@ -134,7 +146,7 @@ class Project:
         found = target.classes.get(name) if target is not None else None
         return (target, found) if target is not None and found is not None else None
 
-    def _instance_class(self, script: Script, node: ast.expr) -> tuple[Script, ast.ClassDef] | None:
+    def _instance_class(self, script: F, node: ast.expr) -> tuple[F, ast.ClassDef] | None:
         """The class of ``obj`` (or ``self.obj``) when every binding of it in the file is
         ``Class(...)`` of a class the linter can see; else None (a type it cannot tell)."""
         name = dotted(node)
@@ -152,7 +164,7 @@ class Project:
             return None
         return classes.pop()
 
-    def _module(self, script: Script, module: str, level: int) -> Script | None:
+    def _module(self, script: F, module: str, level: int) -> F | None:
         """The checked file a module name points at, seen from ``script``'s folder."""
         if script.path.startswith("<") or not self.by_file:
             return None
@@ -179,13 +191,13 @@ class Project:
                     return found
         return None
 
-    def callers(self, script: Script, func: Func) -> list[tuple[Script, ast.Call]]:
+    def callers(self, script: F, func: Func) -> list[tuple[F, ast.Call]]:
         """Every call in the checked files that resolves to ``func``."""
         return self._callers.get(func, [])
 
     @cached_property
-    def _callers(self) -> dict[ast.AST, list[tuple[Script, ast.Call]]]:
-        found: dict[ast.AST, list[tuple[Script, ast.Call]]] = {}
+    def _callers(self) -> dict[ast.AST, list[tuple[F, ast.Call]]]:
+        found: dict[ast.AST, list[tuple[F, ast.Call]]] = {}
         for script in self.scripts:
             for call in script.calls:
                 target = self.resolve(script, call)
@@ -204,9 +216,9 @@ class Project:
         follows them, at most MAX_DEPTH calls deep; a function already reached is not entered
         again, so cycles end and the work is linear in the calls."""
         reached: dict[ast.AST, Reach] = {}
-        frontier: list[tuple[Script, Func, Reach]] = []
+        frontier: list[tuple[F, Func, Reach]] = []
         for script in self.scripts:
-            shape = script.shape
+            shape = self.shape(script)
             roots: list[tuple[ast.AST, list[ast.AST]]] = []
             for loop in shape.step_loops:
                 body = list(walk_stmts(getattr(loop, "body", [])))
@@ -219,7 +231,7 @@ class Project:
                 scope = stop if isinstance(stop, FUNCS) else script.scope_of(stop)
                 name = qualname(script, scope)
                 for node in nodes:
-                    if not isinstance(node, ast.Call) or script.guarded_by_mod(node, stop):
+                    if not isinstance(node, ast.Call) or guarded_by_mod(script, node, stop):
                         continue
                     target = self.resolve(script, node)
                     if target is None or target[1] in reached:
@@ -230,17 +242,17 @@ class Project:
                     reached[target[1]] = reach
                     frontier.append((target[0], target[1], reach))
         while frontier:
-            deeper: list[tuple[Script, Func, Reach]] = []
+            deeper: list[tuple[F, Func, Reach]] = []
             for script, func, reach in frontier:
                 if len(reach.names) > MAX_DEPTH:
                     continue
                 for node in walk_scope(func):
-                    if not isinstance(node, ast.Call) or script.guarded_by_mod(node, func):
+                    if not isinstance(node, ast.Call) or guarded_by_mod(script, node, func):
                         continue
                     target = self.resolve(script, node)
                     if target is None or target[1] in reached:
                         continue
-                    if target[1] in target[0].shape.called_step_funcs:
+                    if target[1] in self.shape(target[0]).called_step_funcs:
                         continue
                     longer = Reach(reach.root, reach.line, (*reach.names, qualname(*target)))
                     reached[target[1]] = longer
@@ -248,36 +260,69 @@ class Project:
             frontier = deeper
         return reached
 
+    # ---- what runs on a device ---------------------------------------------------------------
+
+    def on_device(self, script: SourceFile) -> bool:
+        """Whether ``script`` runs on an accelerator in this program: its own text says so
+        (``mentions_accelerator``), or a file that does imports it, at any depth. A helper
+        module that never names CUDA runs on the GPU of the script that imports it."""
+        return id(script) in self._device_files
+
+    @cached_property
+    def _device_files(self) -> frozenset[int]:
+        found = {id(s) for s in self.scripts if s.mentions_accelerator}
+        frontier = [s for s in self.scripts if id(s) in found]
+        while frontier:
+            deeper: list[F] = []
+            for script in frontier:
+                for imported in self.imports_of(script):
+                    if id(imported) not in found:
+                        found.add(id(imported))
+                        deeper.append(imported)
+            frontier = deeper
+        return frozenset(found)
+
+    def imports_of(self, script: F) -> list[F]:
+        """The checked files ``script`` imports (``import x``, ``from .x import f``, ``from
+        pkg import module``)."""
+        found: list[F] = []
+        for module, level in imported_modules(script):
+            target = self._module(script, module, level)
+            if target is not None and target not in found:
+                found.append(target)
+        return found
+
     # ---- what runs once ----------------------------------------------------------------------
 
-    def runs_once(self, script: Script, node: ast.AST) -> bool:
+    def runs_once(self, script: F, node: ast.AST) -> bool:
         """Whether ``node`` runs once per run: in no loop of its function, and its function
         called (through every caller) only outside loops, up to the module or a
         ``main``/training function nothing calls. An uncalled helper is
         unknown, not once (a library's ``evaluate`` may be called per epoch elsewhere)."""
-        return self._once(script, node, set())
+        return _once(self, script, node, set())
 
-    def _once(self, script: Script, node: ast.AST, seen: set[int]) -> bool:
-        if script.loops_of(node):
-            return False  # in a loop of its function: per epoch, per stage, per model...
-        scope = script.scope_of(node)
-        if isinstance(scope, ast.Module):
-            return True
-        if not isinstance(scope, FUNCS) or id(scope) in seen:
-            return False  # a lambda or class body; a cycle: not provably once
-        seen = seen | {id(scope)}
-        calls = self.callers(script, scope)
-        if not calls:
-            trains = any(script.scope_of(loop) is scope for loop in script.shape.training)
-            return scope.name == "main" or trains
-        return all(self._once(caller, call, seen) for caller, call in calls)
+
+def _once(program: Program[F], script: F, node: ast.AST, seen: set[int]) -> bool:
+    if script.loops_of(node):
+        return False  # in a loop of its function: per epoch, per stage, per model...
+    scope = script.scope_of(node)
+    if isinstance(scope, ast.Module):
+        return True
+    if not isinstance(scope, FUNCS) or id(scope) in seen:
+        return False  # a lambda or class body; a cycle: not provably once
+    seen = seen | {id(scope)}
+    calls = program.callers(script, scope)
+    if not calls:
+        trains = any(script.scope_of(loop) is scope for loop in program.shape(script).training)
+        return scope.name == "main" or trains
+    return all(_once(program, caller, call, seen) for caller, call in calls)
 
 
 def _norm(path: str) -> str:
     return os.path.normcase(os.path.abspath(path))
 
 
-def _enclosing_def(script: Script, node: ast.AST, name: str) -> Func | None:
+def _enclosing_def(script: SourceFile, node: ast.AST, name: str) -> Func | None:
     """A function ``name`` defined in a scope enclosing ``node`` (nested defs, then the module)."""
     scope: ast.AST | None = script.scope_of(node)
     while scope is not None:
@@ -291,7 +336,7 @@ def _enclosing_def(script: Script, node: ast.AST, name: str) -> Func | None:
     return None
 
 
-def _enclosing_class(script: Script, node: ast.AST) -> ast.ClassDef | None:
+def _enclosing_class(script: SourceFile, node: ast.AST) -> ast.ClassDef | None:
     scope = script.scope_of(node)
     while isinstance(scope, FUNCS):
         owner = script.parents.get(scope)
@@ -301,7 +346,7 @@ def _enclosing_class(script: Script, node: ast.AST) -> ast.ClassDef | None:
     return None
 
 
-def _method(script: Script, cls: ast.ClassDef, name: str, seen: set[int]) -> Func | None:
+def _method(script: SourceFile, cls: ast.ClassDef, name: str, seen: set[int]) -> Func | None:
     """Method ``name`` of ``cls`` or of a base class defined in the same file."""
     if id(cls) in seen:
         return None
