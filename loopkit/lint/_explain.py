@@ -68,7 +68,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         "cache, so the next step's allocations go back to `cudaMalloc`. The rule flags it in "
         "any loop: in one that runs once an epoch the same cost is paid once an epoch.",
         not_real="Where an out-of-memory error is caught and retried with less (the call in a "
-        "`try` block or its handler) it is the fix: no finding. Where another process on the "
+        "`try` block or its handler) it is the fix: no finding. Under `if step % N == 0:` it "
+        "runs once per N steps, a rare release: no finding. Where another process on the "
         "same GPU needs the memory the cache holds, handing it back is the point.",
     ),
     "LK004": Explanation(
@@ -143,8 +144,10 @@ EXPLANATIONS: dict[str, Explanation] = {
         "calls is left to its caller, and a function that turns autograd off anywhere in its "
         "body is trusted. A preview under `if step % N == 0:` in the loop (sampling images, "
         "generating text), or in a function called only there, records one graph per N "
-        "steps: no finding. PyTorch 0.3's `Variable(..., volatile=True)` turns autograd off "
-        "too, which the rule does not know: a finding there is wrong.",
+        "steps: no finding. In a script that trains, a forward after `model.eval()` that runs "
+        "once (a model summary at start-up, one test pass after training, its loop run once) "
+        "records its graphs once: no finding. PyTorch 0.3's `Variable(..., volatile=True)` "
+        "turns autograd off too, which the rule does not know: a finding there is wrong.",
     ),
     "LK009": Explanation(
         real="When the batches of a pass are not a multiple of N: the last `len(loader) % N` "
@@ -223,14 +226,22 @@ EXPLANATIONS: dict[str, Explanation] = {
         "steps keeps only those steps' graphs.",
     ),
     "LK016": Explanation(
-        real="Only in a script that can run on an accelerator, only in the body of a training "
+        real="Only in a program that runs on an accelerator, only in the body of a training "
         "loop (a function it calls is not looked into), and not under `if step % N`. The loss "
         "is the tensor back-propagated by name: `loss` in `loss.backward()`, "
-        "`accelerator.backward(loss)` or `scaler.scale(loss).backward()`.",
+        "`accelerator.backward(loss)` or `scaler.scale(loss).backward()`. Each of these needs "
+        "its value on the host: a branch or `assert` on it, `float(loss)`, `float(torch.exp("
+        "loss))` (the exponential is on the device, the float is a read), `math.exp(loss)`, "
+        'the loss formatted into a string (`f"{loss:.3f}"` in a print or a progress bar\'s '
+        '`set_description`), and a tracker given it (`wandb.log({"loss": loss})`, '
+        '`writer.add_scalar("loss", loss, step)`, `mlflow.log_metric("loss", loss)`), '
+        "which reads it to record a number.",
         not_real="`accelerator.backward(loss)` makes `loss` the loss, not `accelerator`: `if "
         "accelerator.sync_gradients:` is a Python bool. A name rebound to a host value in the "
-        "loop (`loss = loss.item()`) is one too. A test that reads explicitly (`if "
-        "loss.item() < best:`) is LK002's finding, not this one's.",
+        "loop (`loss = loss.item()`) is one too. A use that reads explicitly (`if "
+        "loss.item() < best:`, `f\"{loss.item():.3f}\"`) is LK002's finding, not this one's. "
+        "`logger.log(...)` is not taken for a tracker. Under `if step % N == 0:` it is once "
+        "per N steps.",
     ),
     "LK017": Explanation(
         real="Every step in the training loop or in a function it calls.",

@@ -79,7 +79,7 @@ class SourceFile(FileNames):
     def evaluates(self, loop: ast.AST) -> bool:
         """Whether ``loop`` is an evaluation loop: no backward in it, and autograd off around
         it or in its body, or it is in a function named for evaluation (evaluate,
-        estimate_loss, validate)."""
+        estimate_loss, validate, test_step), or ``model.eval()`` runs before it on its path."""
         if any(isinstance(n, ast.Call) and method(n) == "backward" for n in ast.walk(loop)):
             return False
         if self.grad_off(loop):
@@ -93,7 +93,14 @@ class SourceFile(FileNames):
             return True
         scope = self.scope_of(loop)
         name = scope.name.lower() if isinstance(scope, FUNCS) else ""
-        return any(word in name for word in ("eval", "estimate", "valid", "test"))
+        if any(word in name for word in ("eval", "estimate", "valid", "test")):
+            return True
+        # def metrics(model, loader): model.eval(); for x, y in loader: ... (whatever its name)
+        return any(
+            isinstance(n, ast.Call) and method(n) == "eval" and not n.args
+            for statement in self.preceding(loop)
+            for n in ast.walk(statement)
+        )
 
     def grad_off(self, node: ast.AST) -> bool:
         """True when ``node`` runs under ``with torch.no_grad()`` or a no-grad decorator."""

@@ -25,7 +25,7 @@ from .._syntax import (
     "LK008",
     theme="autograd",
     flags="a forward pass after `model.eval()`, or in an evaluation function called per "
-    "epoch, with autograd on (reported at the forward call)",
+    "epoch, with autograd on (reported at the forward call; not one that runs once)",
     why="autograd records a graph for a forward pass that never calls backward",
     fix="with torch.inference_mode():",
 )
@@ -57,6 +57,8 @@ def eval_with_grad(script: Script) -> Iterator[Hit]:
             loops = script.loops_of(forward)
             if loops and script.guarded_by_mod(forward, loops[0]):
                 continue  # a preview every N steps (`if i % 100 == 0:`): one graph per N
+            if script.shape.training and script.runs_once(loops[0] if loops else forward):
+                continue  # a model summary at start-up, one test() after training: once
             if forward is not None:
                 model = dotted(receiver(call))
                 what = f"`{dotted(forward.func)}(...)` after `{model}.eval()`, with autograd on"

@@ -77,15 +77,17 @@ def loss_in_list(script: Script) -> Iterator[Hit]:
 @rule(
     "LK003",
     theme="memory",
-    flags="`torch.cuda.empty_cache()` inside a loop",
+    flags="`torch.cuda.empty_cache()` inside a loop (not under `if step % N`)",
     why="it synchronizes the device and hands back cached blocks that the allocator must "
     "then get again with slow cudaMalloc calls",
     fix="remove it: the caching allocator reuses its blocks",
 )
 def empty_cache_in_loop(script: Script) -> Iterator[Hit]:
     for call in script.calls_to("empty_cache"):
-        # Not where an out-of-memory is caught and retried with less: there it is the fix.
-        if script.loops_of(call) and not script.in_try(call):
+        # Not where an out-of-memory is caught and retried with less: there it is the fix;
+        # not under `if step % N == 0:` (once per N steps: a rare release, not a habit).
+        loops = script.loops_of(call)
+        if loops and not script.in_try(call) and not script.guarded_by_mod(call, loops[-1]):
             name = dotted(call.func) or "empty_cache"
             yield call, f"`{name}()` inside a loop"
 

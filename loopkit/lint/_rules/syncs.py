@@ -187,8 +187,13 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
         if not adds and not _of_a_metric(script, call):
             continue  # a generated token, a picture: not what evaluate sums
         loops = script.loops_of(call)
-        if not loops or any(loop in script.shape.step_loops for loop in loops):
+        step = next((loop for loop in loops if loop in script.shape.step_loops), None)
+        if not loops or step is loops[0]:
             continue  # in a training step: LK002's
+        if step is not None and not script.guarded_by_mod(call, step):
+            continue  # an inner loop run every step: LK002's too
+        # An evaluation loop inside the training loop, under `if step % N == 0:`: each of its
+        # batches is read, every N steps (LK002 leaves what runs once per N steps).
         loop = loops[0]
         if loop in script.shape.training or not script.evaluates(loop):
             continue
@@ -209,9 +214,11 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
 @rule(
     "LK016",
     theme="syncs",
-    flags="Python control flow on the loss tensor every step (`if loss < best:`, "
-    "`assert loss > 0`, `float(loss)`)",
-    why="the branch needs the value on the host, so the host waits for the device every step",
+    flags="the loss tensor used as a Python value every step: a branch on it (`if loss < best:`, "
+    "`assert loss > 0`), `float(loss)` or `float(torch.exp(loss))`, formatted into a string "
+    "(an f-string, a progress bar's description) or handed to a tracker (`wandb.log`, "
+    "`add_scalar`)",
+    why="Python needs the value on the host, so the host waits for the device every step",
     fix="log = loopkit.detach_logging(every=N); log(loss=loss)  # decide on the flushed values",
 )
 def branch_on_loss(script: Script) -> Iterator[Hit]:
@@ -223,22 +230,73 @@ def branch_on_loss(script: Script) -> Iterator[Hit]:
         for node in body:
             if script.loops_of(node)[:1] != [loop] or script.guarded_by_mod(node, loop):
                 continue
-            test = _test_of(node)
-            reads = any(
-                isinstance(n, ast.Call) and (method(n) in SYNCS or callee(n) == "float")
-                for n in ast.walk(test if test is not None else node)
-            )  # an explicit read is LK002's
-            if test is not None and names_in(test) & losses and not reads:
-                yield node, f"`{ast.unparse(test)[:40]}`: a branch on the loss tensor"
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id in {"float", "bool", "int"}
-                and node.args
-                and names_in(node.args[0]) & losses
-                and not isinstance(node.args[0], ast.Call)
-            ):
-                yield node, f"`{node.func.id}({ast.unparse(node.args[0])})` on the loss tensor"
+            found = _loss_as_value(node, losses)
+            if found is not None:
+                yield node, found
+
+
+def _loss_as_value(node: ast.AST, losses: set[str]) -> str | None:
+    """What ``node`` does with a loss tensor as a Python value, if it does (an explicit read,
+    ``.item()`` and the like, is LK002's)."""
+    test = _test_of(node)
+    if test is not None:
+        if names_in(test) & losses and not _reads(test):
+            return f"`{ast.unparse(test)[:40]}`: a branch on the loss tensor"
+        return None
+    if isinstance(node, ast.FormattedValue):
+        if names_in(node.value) & losses and not _reads(node.value):
+            return f"`{{{ast.unparse(node.value)[:40]}}}`: the loss tensor formatted into a string"
+        return None
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    first = node.args[0]
+    if isinstance(node.func, ast.Name) and node.func.id in {"float", "bool", "int"}:
+        if names_in(first) & losses and not _reads(first):
+            return f"`{node.func.id}({ast.unparse(first)[:40]})` on the loss tensor"
+        return None
+    if _is_math(node) and names_in(first) & losses and not _reads(first):
+        return f"`{ast.unparse(node)[:40]}`: math on the loss tensor reads it"
+    tracked = _tracked_value(node)
+    if tracked is not None and names_in(tracked) & losses and not _reads(tracked):
+        return f"`{ast.unparse(node.func)}(...)` given the loss tensor: the tracker reads it"
+    return None
+
+
+def _reads(expr: ast.AST) -> bool:
+    """An explicit read in ``expr`` (``loss.item()``, ``float(...)``), or ``.detach()``
+    handed on (a tracker given it still reads it: its own LK016 elsewhere is enough)."""
+    return any(
+        isinstance(n, ast.Call) and (method(n) in SYNCS or callee(n) == "float")
+        for n in ast.walk(expr)
+    )
+
+
+_MATH = {"exp", "log", "sqrt", "isnan", "isinf", "isfinite", "floor", "ceil"}
+
+
+def _is_math(call: ast.Call) -> bool:
+    """``math.exp(x)`` and friends: Python math, which takes a float (the tensor's value)."""
+    name = dotted(call.func) or ""
+    return name.startswith("math.") and name.rsplit(".", 1)[-1] in _MATH
+
+
+# Tracker calls that take the value itself: wandb.log({...}), writer.add_scalar(tag, v, step),
+# mlflow.log_metric(key, v), experiment.log_metric(...), run.log({...}).
+_TRACKER_VALUE = {"log": 0, "add_scalar": 1, "log_metric": 1, "log_metrics": 0}
+
+
+def _tracked_value(call: ast.Call) -> ast.expr | None:
+    name = method(call) if isinstance(call.func, ast.Attribute) else None
+    owner = (dotted(receiver(call)) or "").lower()
+    if name not in _TRACKER_VALUE or not owner:
+        return None
+    if name == "log" and not any(w in owner for w in ("wandb", "run", "experiment", "tracker")):
+        return None  # logger.log(level, msg), np.log(...): not a tracker
+    index = _TRACKER_VALUE[name]
+    if index < len(call.args):
+        return call.args[index]
+    wanted = {"value", "metrics", "data", "scalar_value"}
+    return next((k.value for k in call.keywords if k.arg in wanted), None)
 
 
 def loss_names(script: Script, body: list[ast.AST]) -> set[str]:
