@@ -49,7 +49,10 @@ EXPLANATIONS: dict[str, Explanation] = {
         "accelerator, or moves tensors to a device or rank: on a CPU a read waits for "
         "nothing), only in a training step (a loop that back-propagates or steps the "
         "optimizer) or a function it calls (up to 6 calls deep), and not under `if step % N`.",
-        not_real="A read that steps a host environment (`actions = "
+        not_real="`.numpy()` alone reads nothing from the device: it raises on a device "
+        "tensor, so what it runs on is on the host already (a batch before its move, "
+        "`y.numpy()` of `y = batch['y']`); in `t.cpu().numpy()` the `.cpu()` is the read. "
+        "A read that steps a host environment (`actions = "
         "q(obs).argmax(1).cpu().numpy()` then `envs.step(actions)`: the transfer is the "
         "algorithm's input), a `.cpu()` of a tensor the same expression builds on the host "
         "(`torch.ones(1, 3).cpu()`), a loader batch read before the line that rebinds its "
@@ -81,8 +84,12 @@ EXPLANATIONS: dict[str, Explanation] = {
         "`% N`), found at its line (`rand_slice_segments`' "
         "`torch.rand([b]).to(device=x.device)`). A tensor built over several statements and "
         "moved later in the same function is found at the move (`labels = "
-        "torch.cat([torch.arange(b)] * 2)`, ..., `labels = labels.to(device)`). `import torch "
-        "as th` is understood.",
+        "torch.cat([torch.arange(b)] * 2)`, ..., `labels = labels.to(device)`), also through "
+        "`torch.from_numpy(np.ones(...))` and reshapes. Where the program makes new tensors "
+        'on the device by default (`torch.set_default_device("cuda")`, '
+        '`torch.set_default_tensor_type("torch.cuda.FloatTensor")`, in any of its files), '
+        "`torch.Tensor([1e10])` or `torch.tensor(np.ones(...))` copies host data to the device "
+        "at each call. `import torch as th` is understood.",
         not_real="The same alias called on sizes (`Tensor(b, 1).fill_(1.0)`) allocates on the "
         "device on a GPU run and builds nothing on the host (its cost, an allocation and a "
         "fill kernel, is the same as `torch.ones(..., device=device)`'s). A zero-element "

@@ -73,6 +73,12 @@ class Script(SourceFile):
         nothing): its own text says so, or a file that does imports it (see _program)."""
         return self._project().on_device(self)
 
+    @property
+    def default_on_device(self) -> bool:
+        """Whether the program builds new tensors on an accelerator by default (see
+        ``Program.sets_device_default``)."""
+        return self._project().sets_device_default
+
     # ---- where a node runs under a branch (see _branches) ----------------------------
 
     def guarded_by_mod(self, node: ast.AST, stop: ast.AST) -> bool:

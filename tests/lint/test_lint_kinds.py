@@ -183,3 +183,77 @@ def test_a_forward_that_runs_once_after_eval_is_not_lk008() -> None:
         model.train()
     """
     assert _codes(per_epoch) == [(9, "LK008")]
+
+
+def test_numpy_of_a_batch_still_on_the_host_is_not_a_read() -> None:
+    """``.numpy()`` raises on a device tensor: ``y.numpy()`` of ``y = batch["y"]`` reads a host
+    batch (no finding); ``out.cpu().numpy()`` is a read, found at its ``.cpu()``."""
+    body = """\
+    for step, batch in enumerate(loader):
+        x, y = batch["x"], batch["y"]
+        weights = np.bincount(y.numpy())
+        out = model(x.to(device))
+        loss = (out - y.to(device)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        {line}
+    """
+    head = HEAD.replace("import math\n", "import math\n\nimport numpy as np\n")
+    assert _codes(body.format(line="pass"), head=head) == []
+    assert _codes(body.format(line="kept = out.detach().cpu().numpy()"), head=head) == [
+        (9, "LK002")
+    ]
+
+
+DEFAULT_DEVICE = """\
+import torch
+
+{default}
+
+
+def composite(raw, z):
+    far = torch.Tensor([1e10]).expand(z[..., :1].shape)
+    return raw * torch.cat([z[..., 1:] - z[..., :-1], far], -1)
+
+
+for step in range(1000):
+    loss = composite(model(batch), z).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    "default",
+    ['torch.set_default_tensor_type("torch.cuda.FloatTensor")', 'torch.set_default_device("cuda")'],
+)
+def test_host_data_becomes_a_device_tensor_under_a_cuda_default(default: str) -> None:
+    """With new tensors on the GPU by default, ``torch.Tensor([1e10])`` copies host data to the
+    device at every call: LK004 in the function the step calls; without the default, none."""
+    found = lint.check_source(DEFAULT_DEVICE.format(default=default), "run.py")
+    assert [(f.line, f.code) for f in found] == [(7, "LK004")]
+    assert "reached from run.py:12" in found[0].message
+    assert lint.check_source(DEFAULT_DEVICE.format(default="pass"), "run.py") == []
+
+
+def test_a_tensor_made_from_numpy_and_moved_lines_later_is_found() -> None:
+    """``torch.from_numpy(np.ones(...))``, reshaped, then moved two lines later: a host build
+    copied each step (LK004); ``torch.from_numpy`` of the loader's array is its way in."""
+    body = """\
+    for step, (arr, y) in enumerate(loader):
+        mask = torch.from_numpy(np.ones((4, 4), dtype=np.float32))
+        mask = mask.unsqueeze(0).float()
+        data = torch.from_numpy(arr)
+        out = model(data.to(device)) * mask.to(device)
+        loss = (out - y.to(device)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    head = HEAD.replace("import math\n", "import math\n\nimport numpy as np\n")
+    found = lint.check_source(head + textwrap.dedent(body), "train.py")
+    offset = head.count("\n")
+    assert [(f.line - offset, f.code) for f in found] == [(5, "LK004")]
+    assert "`mask` built on the CPU (line" in found[0].message

@@ -19,6 +19,9 @@ from .._syntax import (
 
 # The tensor methods that copy to the host and wait for the device.
 SYNCS = frozenset({"item", "cpu", "numpy", "tolist"})
+# What waits for the device: ``.numpy()`` raises on a device tensor, so the tensor it runs on
+# is on the host already (a batch before its move; the ``.cpu()`` before it, if any, is the read).
+DEVICE_READS = SYNCS - {"numpy"}
 
 
 def straight_from_loader(call: ast.Call, loop: ast.For | ast.AsyncFor) -> bool:

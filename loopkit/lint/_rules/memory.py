@@ -12,6 +12,7 @@ from .._syntax import (
     FUNCS,
     assigned_names,
     backwarded,
+    callee,
     device_move,
     dotted,
     method,
@@ -257,6 +258,15 @@ class _HostTensors:
         )
         if factory and no_elements(value):
             return None  # torch.empty(0).to(device): a placeholder, no bytes cross
+        if (
+            isinstance(func, ast.Attribute)
+            and dotted(func.value) in self.script.torch_names
+            and func.attr in {"from_numpy", "as_tensor"}
+            and value.args
+        ):
+            # torch.from_numpy(np.ones(...)): numpy data the script makes (not a batch's).
+            made = self.made_by_numpy(value.args[0], value)
+            return f"{ast.unparse(func)}(...)" if made else None
         if factory or self.type_of_call(value) == "host":
             # Data from a variable (an observation, a batch) has to cross anyway: only data
             # the script makes itself on the host (numpy) could be made on the device instead.
@@ -271,8 +281,16 @@ class _HostTensors:
         (``Tensor(np.random.normal(...))`` with ``Tensor = torch.cuda.FloatTensor``): the data
         is copied over. Called on sizes (``Tensor(b, 1)``) it allocates on the device: no copy,
         no finding; on a variable (an observation) the copy is the data's way in."""
-        if self.type_of_call(call) != "cuda":
-            return False
+        kind = self.type_of_call(call)
+        if kind != "cuda":
+            # torch.set_default_device("cuda") in the program: torch.Tensor([...]) and
+            # torch.tensor([...]) build on the device from host data, a copy each call.
+            built = kind == "host" or (
+                callee(call) in {"tensor", "as_tensor"}
+                and (dotted(call.func) or "").split(".")[0] in self.script.torch_names
+            )
+            if not (built and self.script.default_on_device):
+                return False
         data = data_arg(call, legacy=True)
         return data is not None and self.made_by_numpy(data, call)
 

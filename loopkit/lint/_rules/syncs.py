@@ -21,6 +21,7 @@ from .._syntax import (
     walk_stmts,
 )
 from ._sync_reads import (
+    DEVICE_READS,
     SYNCS,
     feeds_an_environment,
     feeds_per_sample_loop,
@@ -51,7 +52,7 @@ def sync_every_step(script: Script) -> Iterator[Hit]:
     shape = script.shape
     for call in script.calls:
         name = method(call)
-        if name not in SYNCS or call.args:
+        if name not in DEVICE_READS or call.args:
             continue  # numpy's arr.item(0) and friends take arguments; torch's do not
         if name == "cpu" and script.uses_rpc:
             continue  # RPC sends tensors through the host: the copy is the transport
@@ -81,7 +82,7 @@ def _syncs_in_called_functions(script: Script) -> Iterator[Hit]:
     one sync per parameter per step."""
     for call in script.calls:
         name = method(call)
-        if name not in SYNCS or call.args or (name == "cpu" and script.uses_rpc):
+        if name not in DEVICE_READS or call.args or (name == "cpu" and script.uses_rpc):
             continue
         reach = script.reach_of(call)
         if reach is None or script.scope_of(call) in script.shape.called_step_funcs:
@@ -182,7 +183,7 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
         # metric.add_batch(predictions=..., references=...) (Hugging Face evaluate) converts
         # its device tensors to host lists: a read per batch too.
         adds = name == "add_batch" and "metric" in (dotted(receiver(call)) or "").lower()
-        if not (is_float or adds or (name in SYNCS and not call.args)):
+        if not (is_float or adds or (name in DEVICE_READS and not call.args)):
             continue
         if not adds and not _of_a_metric(script, call):
             continue  # a generated token, a picture: not what evaluate sums
