@@ -282,20 +282,6 @@ class Program(Generic[F]):
             frontier = deeper
         return frozenset(found)
 
-    @cached_property
-    def sets_device_default(self) -> bool:
-        """Whether a file of the program makes new tensors on an accelerator by default
-        (``torch.set_default_device("cuda")``, ``set_default_tensor_type(torch.cuda.
-        FloatTensor)``): host data given to ``torch.tensor(...)`` is then copied over."""
-        for script in self.scripts:
-            for call in script.calls:
-                name = dotted(call.func) or ""
-                if name.rsplit(".", 1)[-1] in {"set_default_device", "set_default_tensor_type"}:
-                    given = ast.unparse(call.args[0]) if call.args else ""
-                    if "cuda" in given or "device" in given.lower():
-                        return True
-        return False
-
     def imports_of(self, script: F) -> list[F]:
         """The checked files ``script`` imports (``import x``, ``from .x import f``, ``from
         pkg import module``)."""

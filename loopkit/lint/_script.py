@@ -11,6 +11,7 @@ from ._flags import in_flag_branch
 from ._parsed import Loop, SourceFile
 from ._program import Func, Program, Reach
 from ._shape import TrainingShape
+from ._syntax import dotted
 
 __all__ = ["Loop", "Script", "whole_program"]
 
@@ -75,9 +76,17 @@ class Script(SourceFile):
 
     @property
     def default_on_device(self) -> bool:
-        """Whether the program builds new tensors on an accelerator by default (see
-        ``Program.sets_device_default``)."""
-        return self._project().sets_device_default
+        """Whether a file of the program makes new tensors on an accelerator by default
+        (``torch.set_default_device("cuda")``, ``set_default_tensor_type(torch.cuda.
+        FloatTensor)``): host data given to ``torch.tensor(...)`` is then copied over."""
+        for script in self._project().scripts:
+            for call in script.calls:
+                name = dotted(call.func) or ""
+                if name.rsplit(".", 1)[-1] in {"set_default_device", "set_default_tensor_type"}:
+                    given = ast.unparse(call.args[0]) if call.args else ""
+                    if "cuda" in given or "device" in given.lower():
+                        return True
+        return False
 
     # ---- where a node runs under a branch (see _branches) ----------------------------
 
