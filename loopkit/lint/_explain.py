@@ -127,7 +127,10 @@ EXPLANATIONS: dict[str, Explanation] = {
         "command line) a loader built in a helper file that never names CUDA is asked for "
         "`pin_memory` when a CUDA script checked with it calls into that file. A script that "
         "does not train is there to run its one pass: it counts.",
-        not_real="A loader only previewed (`next(iter(loader))` off the step: one batch), or "
+        not_real="Batches rebuilt on the host before their move, in every loop over the loader "
+        "(`ids = torch.tensor(pad(batch))`, then `ids.to(device)`): the loader's own tensors "
+        "never travel, so `pin_memory` buys nothing and is not asked for. "
+        "A loader only previewed (`next(iter(loader))` off the step: one batch), or "
         "read in a single pass outside every loop, before or after training (a small test set "
         "at the end of a tutorial: the wait is paid once). `pin_memory` is not asked of a "
         "loader whose `collate_fn` (of the same file, or of a file checked with it: "

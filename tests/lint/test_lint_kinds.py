@@ -257,3 +257,25 @@ def test_a_tensor_made_from_numpy_and_moved_lines_later_is_found() -> None:
     offset = head.count("\n")
     assert [(f.line - offset, f.code) for f in found] == [(5, "LK004")]
     assert "`mask` built on the CPU (line" in found[0].message
+
+
+LOADER = """\
+from torch.utils.data import DataLoader
+
+loader = DataLoader(dataset, batch_size=32, num_workers=4)
+for batch in loader:
+    ids = {ids}
+    ids = ids.long()
+    loss = model(ids.to(device)).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_loader_whose_batches_are_rebuilt_on_the_host_needs_no_pinning() -> None:
+    """Token ids padded into a new tensor before the move: the loader's own tensors never
+    travel (no LK007); the same loader whose batch is moved as it comes is LK007."""
+    rebuilt = LOADER.format(ids='torch.tensor(pad(batch["ids"]))')
+    assert _codes(rebuilt) == []
+    assert _codes(LOADER.format(ids='batch["ids"]')) == [(3, "LK007")]

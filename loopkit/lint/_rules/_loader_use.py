@@ -16,6 +16,7 @@ from .._syntax import (
     keyword,
     method,
     receiver,
+    root_name,
     walk_scope,
 )
 
@@ -181,6 +182,51 @@ def loader_uses(script: Script, call: ast.Call) -> set[str] | None:
         else:
             return None
     return kinds
+
+
+# Constructors that copy host data into a new tensor: what they make is not the loader's batch.
+_REBUILDS = {"tensor", "as_tensor", "from_numpy", "LongTensor", "FloatTensor", "Tensor"}
+
+
+def batches_rebuilt(script: Script, call: ast.Call) -> bool:
+    """Whether every loop over this loader moves to the device only tensors it builds anew
+    from the batch on the host (``ids = torch.tensor(pad(batch))``; ``ids.to(device)``): the
+    loader's own tensors never travel, so pinning them buys nothing. False when unsure."""
+    parent = script.parents.get(call)
+    loops = [_iterated_by(script, call)]
+    if isinstance(parent, ast.Assign) and len(parent.targets) == 1:
+        name = dotted(parent.targets[0])
+        loops = [
+            _iterated_by(script, n)
+            for n in ast.walk(script.scope_of(call))
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        ]
+    found = [loop for loop in loops if loop is not None]
+    return bool(found) and all(_moves_only_rebuilt(script, loop) for loop in found)
+
+
+def _moves_only_rebuilt(script: Script, loop: ast.For | ast.AsyncFor) -> bool:
+    rebuilt: set[str] = set()
+    moves = 0
+    for node in sorted(
+        (n for n in ast.walk(loop) if isinstance(n, ast.stmt | ast.Call)),
+        key=lambda n: (n.lineno, n.col_offset),
+    ):
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            for bound, value in assigned_names(node):
+                made = isinstance(value, ast.Call) and callee(value) in _REBUILDS
+                derived = root_name(value) in rebuilt if value is not None else False
+                if made or derived:
+                    rebuilt.add(bound)
+                else:
+                    rebuilt.discard(bound)
+        elif isinstance(node, ast.Call) and device_move(node) == "device":
+            moves += 1
+            base = receiver(node)
+            made = isinstance(base, ast.Call) and callee(base) in _REBUILDS
+            if not made and root_name(base) not in rebuilt:
+                return False
+    return moves > 0
 
 
 def _local_bindings(script: Script, scope: ast.AST) -> list[tuple[str, ast.expr | None]]:

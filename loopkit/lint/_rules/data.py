@@ -13,6 +13,7 @@ from .._syntax import (
     keyword,
 )
 from ._loader_use import (
+    batches_rebuilt,
     in_memory_datasets,
     loader_arg,
     loader_uses,
@@ -29,7 +30,8 @@ from ._loader_use import (
     theme="data",
     flags="a DataLoader without workers, or without `pin_memory` in a CUDA script (not one "
     "only previewed with `next(iter(...))` or read in one pass outside training, nor "
-    "`pin_memory` for batches of a custom class that cannot be pinned)",
+    "`pin_memory` for batches of a custom class that cannot be pinned or rebuilt on the host "
+    "before their move)",
     why="without workers the main process loads every batch while the device waits; without "
     "pinned memory each batch is copied to the device from pageable memory",
     fix="loader = loopkit.distributed.loader(dataset, batch_size=...)",
@@ -72,7 +74,14 @@ def loader_in_main_process(script: Script) -> Iterator[Hit]:
             problems.append("without num_workers")
         # pin_memory=True pins tensors, dicts, tuples and objects with a pin_memory() method;
         # a collate_fn that returns an instance of a plain class of this file gets nothing.
-        if loader_arg(call, "pin_memory") is None and cuda and not unpinnable(script, call):
+        # Batches rebuilt on the host before their move (token ids padded into a new tensor):
+        # the loader's own tensors never travel, pinning them buys nothing.
+        if (
+            loader_arg(call, "pin_memory") is None
+            and cuda
+            and not unpinnable(script, call)
+            and not batches_rebuilt(script, call)
+        ):
             problems.append("without pin_memory")
         if problems:
             yield call, "DataLoader " + " and ".join(problems)
