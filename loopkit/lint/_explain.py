@@ -213,16 +213,22 @@ EXPLANATIONS: dict[str, Explanation] = {
         "way.",
     ),
     "LK014": Explanation(
-        real="Only where the evaluation runs periodically (per epoch, or a script that only "
-        "evaluates), in a script that can run on an accelerator. An evaluation loop is one "
-        "with no backward whose function is named for evaluation or that runs with autograd "
-        "off (around it or in its body); the value read is a metric (a loss, an accuracy, a "
-        "count of correct...), and `metric.add_batch(...)` (Hugging Face evaluate converts its "
-        "tensors to host lists) counts as a read.",
+        real="Only where the evaluation runs periodically (per epoch, every N steps, or in a "
+        "script that only evaluates), in a program that runs on an accelerator. An evaluation "
+        "loop is one with no backward that runs with autograd off (around it or in its "
+        "body), or whose function is named for evaluation, or calls `model.eval()` before "
+        "it (`metrics`, `accuracy`); it counts wherever it is, inside the training loop under "
+        "`if step % N == 0:` too. A read there is a metric read back (a loss, an accuracy, a "
+        "count of correct...; `metric.add_batch(...)` of Hugging Face evaluate converts its "
+        "tensors to host lists), an `assert` on a device tensor (`assert (out >= 0).all()`), "
+        "or a copy to the host that nothing in the function reads again (`preds = "
+        "out.argmax(1).cpu()`, unused).",
         not_real="In a training script, an evaluation loop that runs once (outside every "
         "loop, its function called only outside loops) is a one-off and gets no finding. A "
         "read that feeds a per-sample Python loop (printing each mistake) is needed on the "
-        "host, sample by sample: no finding. Nor is a read under `if step % N`.",
+        "host, sample by sample: no finding. Nor is a read under `if step % N` inside the "
+        "evaluation loop, nor predictions copied to the host and used afterwards (kept for a "
+        "confusion matrix): that is the data's way out.",
     ),
     "LK015": Explanation(
         real="In a training loop: `total += loss`, where `loss` is the tensor the loop "

@@ -279,3 +279,35 @@ def test_a_loader_whose_batches_are_rebuilt_on_the_host_needs_no_pinning() -> No
     rebuilt = LOADER.format(ids='torch.tensor(pad(batch["ids"]))')
     assert _codes(rebuilt) == []
     assert _codes(LOADER.format(ids='batch["ids"]')) == [(3, "LK007")]
+
+
+EVAL_EPOCHS = """\
+for epoch in range(10):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        for xv, yv in val_loader:
+            out = model(xv.to(device))
+            {line}
+    model.train()
+"""
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["assert (out >= 0).all()", "preds = out.argmax(1).cpu()"],
+)
+def test_an_assert_or_an_unused_copy_per_evaluation_batch_is_found(line: str) -> None:
+    """An ``assert`` on a device tensor takes its truth on the host, and predictions copied
+    to the host that nothing reads wait for nothing useful: LK014 per evaluation batch."""
+    assert _codes(EVAL_EPOCHS.format(line=line)) == [(11, "LK014")]
+
+
+def test_predictions_copied_for_later_use_are_not_flagged_as_unused() -> None:
+    """``preds`` read afterwards (kept for a confusion matrix) is the data's way out: quiet."""
+    body = EVAL_EPOCHS.format(line="preds = out.argmax(1).cpu()\n            kept.append(preds)")
+    assert _codes(body) == []

@@ -20,6 +20,7 @@ from .._syntax import (
     walk_scope,
     walk_stmts,
 )
+from ._eval_reads import eval_batch_loop, never_used, of_a_metric
 from ._loss_reads import loss_as_value, test_of
 from ._sync_reads import (
     DEVICE_READS,
@@ -162,7 +163,8 @@ def _moves(node: ast.AST) -> list[str]:
 @rule(
     "LK014",
     theme="syncs",
-    flags="`.item()`/`.cpu()`/`float(t)` per batch in an evaluation loop (no backward, "
+    flags="`.item()`/`.cpu()`/`float(t)`, or an `assert` on a tensor, per batch in an "
+    "evaluation loop (no backward, "
     "autograd off or an eval function) that runs periodically: per epoch, or a script that "
     "only evaluates; not a one-off pass after training, nor a per-sample Python loop",
     why="each one waits for the device, once per evaluation batch (nanoGPT's estimate_loss: "
@@ -185,31 +187,23 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
         adds = name == "add_batch" and "metric" in (dotted(receiver(call)) or "").lower()
         if not (is_float or adds or (name in DEVICE_READS and not call.args)):
             continue
-        if not adds and not _of_a_metric(script, call):
+        if not adds and not of_a_metric(script, call) and not never_used(script, call):
             continue  # a generated token, a picture: not what evaluate sums
+        loop = eval_batch_loop(script, call)
+        if loop is None:
+            continue
         loops = script.loops_of(call)
-        step = next((loop for loop in loops if loop in script.shape.step_loops), None)
-        if not loops or step is loops[0]:
-            continue  # in a training step: LK002's
-        if step is not None and not script.guarded_by_mod(call, step):
-            continue  # an inner loop run every step: LK002's too
-        # An evaluation loop inside the training loop, under `if step % N == 0:`: each of its
-        # batches is read, every N steps (LK002 leaves what runs once per N steps).
-        loop = loops[0]
-        if loop in script.shape.training or not script.evaluates(loop):
-            continue
-        if script.guarded_by_mod(call, loop):
-            continue
         if isinstance(loop, ast.For | ast.AsyncFor) and straight_from_loader(call, loop):
             continue
         if feeds_per_sample_loop(script, call, loops):
             continue
-        # A one-off evaluation (before or after training, not inside its loop) costs its syncs
-        # once per run; a script that does not train at all is there to evaluate: it counts.
-        if script.shape.training and script.runs_once(loop):
-            continue
         what = "float(...)" if is_float else f"{dotted(call.func)}(...)" if adds else f".{name}()"
         yield call, f"`{what}` per batch in an evaluation loop"
+    # assert (pred >= 0).all(): Python takes the truth of a device tensor, per batch.
+    for node in ast.walk(script.tree):
+        test = node.test if isinstance(node, ast.Assert) else None
+        if test is not None and tensor_truth(test) and eval_batch_loop(script, node) is not None:
+            yield node, f"`assert {ast.unparse(test)[:40]}` per batch in an evaluation loop"
 
 
 @rule(
@@ -303,28 +297,6 @@ def _opted_in(script: Script, node: ast.AST, stop: ast.AST) -> bool:
                 return True
         parent = script.parents.get(parent)
     return False
-
-
-_METRIC_WORDS = ("loss", "acc", "correct", "err", "metric", "top", "prec", "nll", "ppl", "score")
-
-
-def _of_a_metric(script: Script, call: ast.Call) -> bool:
-    """Whether the value read back is a metric: a loss, an accuracy, a count of correct..."""
-    parts: list[ast.AST] = [call.args[0] if callee(call) == "float" else receiver(call) or call]
-    stmt: ast.AST | None = call
-    while stmt is not None and not isinstance(stmt, ast.stmt):
-        stmt = script.parents.get(stmt)
-    if isinstance(stmt, ast.Assign):
-        parts.extend(stmt.targets)
-    elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
-        parts.append(stmt.target)
-    words = {
-        (n.id if isinstance(n, ast.Name) else n.attr).lower()
-        for part in parts
-        for n in ast.walk(part)
-        if isinstance(n, ast.Name | ast.Attribute)
-    }
-    return any(w in word for word in words for w in _METRIC_WORDS)
 
 
 @rule(
