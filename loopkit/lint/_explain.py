@@ -89,8 +89,13 @@ EXPLANATIONS: dict[str, Explanation] = {
         'on the device by default (`torch.set_default_device("cuda")`, '
         '`torch.set_default_tensor_type("torch.cuda.FloatTensor")`, in any of its files), '
         "`torch.Tensor([1e10])` or `torch.tensor(np.ones(...))` copies host data to the device "
-        "at each call. `import torch as th` is understood.",
-        not_real="The same alias called on sizes (`Tensor(b, 1).fill_(1.0)`) allocates on the "
+        "at each call. A cache that never hits copies at every call too: under `if key not "
+        "in cache:` a body that stores only under other keys (`cache[str(fmax) + '_' + "
+        "str(device)] = t.to(device)` after testing `fmax`). `import torch as th` is "
+        "understood.",
+        not_real="A move under `if key not in cache:` whose body stores under the key tested "
+        "fills the cache once per key: no finding. The same alias called on sizes (`Tensor(b, "
+        "1).fill_(1.0)`) allocates on the "
         "device on a GPU run and builds nothing on the host (its cost, an allocation and a "
         "fill kernel, is the same as `torch.ones(..., device=device)`'s). A zero-element "
         "placeholder (`torch.empty(0).to(device)`, `torch.zeros((0, 3))`, `torch.tensor([])`) "

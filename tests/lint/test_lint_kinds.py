@@ -311,3 +311,34 @@ def test_predictions_copied_for_later_use_are_not_flagged_as_unused() -> None:
     """``preds`` read afterwards (kept for a confusion matrix) is the data's way out: quiet."""
     body = EVAL_EPOCHS.format(line="preds = out.argmax(1).cpu()\n            kept.append(preds)")
     assert _codes(body) == []
+
+
+CACHE = """\
+import numpy as np
+import torch
+
+bases = {{}}
+
+
+def spectrogram(y, n_fft, fmax):
+    if fmax not in bases:
+        basis = np.ones((80, n_fft // 2 + 1))
+        bases[{key}] = torch.from_numpy(basis).float().to(y.device)
+    return torch.matmul(bases[{key}], torch.stft(y, n_fft, return_complex=True).abs())
+
+
+for step, (y, mel) in enumerate(loader):
+    loss = (spectrogram(generator(y.cuda()), 1024, 8000) - mel.cuda()).abs().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_cache_that_never_hits_copies_at_every_call() -> None:
+    """Tested for ``fmax``, filled under ``str(fmax) + "_" + str(device)``: never a hit, so the
+    host-made basis is copied to the device every step (LK004); filled under ``fmax``, once."""
+    broken = lint.check_source(CACHE.format(key='str(fmax) + "_" + str(y.device)'), "mel.py")
+    assert [(f.line, f.code) for f in broken] == [(10, "LK004")]
+    assert "never hits" in broken[0].message and "reached from mel.py:15" in broken[0].message
+    assert lint.check_source(CACHE.format(key="fmax"), "mel.py") == []

@@ -92,8 +92,16 @@ def host_factory_moved(script: Script) -> Iterator[Hit]:
     for call in script.calls:
         what = None
         if device_move(call) == "device":
+            fill = _cache_fill(script, call)
             built = host.built(receiver(call))
-            if built is not None:
+            if fill == "misses":
+                what = (
+                    "a cache tested under one key and filled under another: it never hits, so "
+                    "this move runs at every call"
+                )
+            elif fill == "hits":
+                continue  # a cache filled once per key: the move runs once
+            elif built is not None:
                 what = f"`{built}` built on the CPU, then moved"
             elif call in named:
                 what = named[call]
@@ -120,6 +128,34 @@ def host_factory_moved(script: Script) -> Iterator[Hit]:
             caller = _called_in_forward(script, scope)
             if caller is not None:
                 yield call, f"{what}, in `{scope.name}`, called from forward() at {caller}"
+
+
+def _cache_fill(script: Script, call: ast.Call) -> str | None:
+    """Whether ``call`` fills a cache: under ``if key not in cache:``, "hits" when the body
+    stores under the key tested (the fill runs once per key), "misses" when it stores only
+    under other keys (``cache[str(fmax) + "_" + str(device)] = ...`` after testing ``fmax``:
+    the test never finds what was stored, so the body runs at every call); else None."""
+    child: ast.AST = call
+    parent = script.parents.get(call)
+    while parent is not None and not isinstance(parent, FUNCS):
+        if isinstance(parent, ast.If) and any(stmt is child for stmt in parent.body):
+            test = parent.test
+            if isinstance(test, ast.Compare) and [type(op) for op in test.ops] == [ast.NotIn]:
+                cache: ast.expr = test.comparators[0]
+                if isinstance(cache, ast.Call) and method(cache) == "keys":
+                    cache = receiver(cache) or cache
+                name = dotted(cache)
+                stored = [
+                    ast.unparse(target.slice)
+                    for node in ast.walk(parent)
+                    if isinstance(node, ast.Assign)
+                    for target in node.targets
+                    if isinstance(target, ast.Subscript) and name and dotted(target.value) == name
+                ]
+                if stored:
+                    return "hits" if ast.unparse(test.left) in stored else "misses"
+        child, parent = parent, script.parents.get(parent)
+    return None
 
 
 def _called_in_forward(script: Script, func: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
