@@ -91,7 +91,9 @@ EXPLANATIONS: dict[str, Explanation] = {
         "`torch.Tensor([1e10])` or `torch.tensor(np.ones(...))` copies host data to the device "
         "at each call. A cache that never hits copies at every call too: under `if key not "
         "in cache:` a body that stores only under other keys (`cache[str(fmax) + '_' + "
-        "str(device)] = t.to(device)` after testing `fmax`). `import torch as th` is "
+        "str(device)] = t.to(device)` after testing `fmax`). So does a device tensor indexed "
+        "with a numpy array made in the step (`table[idx]` with `idx = "
+        "np.random.choice(...)`): the index crosses each step. `import torch as th` is "
         "understood.",
         not_real="A move under `if key not in cache:` whose body stores under the key tested "
         "fills the cache once per key: no finding. The same alias called on sizes (`Tensor(b, "

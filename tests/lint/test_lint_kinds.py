@@ -342,3 +342,22 @@ def test_a_cache_that_never_hits_copies_at_every_call() -> None:
     assert [(f.line, f.code) for f in broken] == [(10, "LK004")]
     assert "never hits" in broken[0].message and "reached from mel.py:15" in broken[0].message
     assert lint.check_source(CACHE.format(key="fmax"), "mel.py") == []
+
+
+def test_a_device_tensor_indexed_with_a_numpy_array_each_step_is_found() -> None:
+    """``table[idx]`` with ``idx = np.random.choice(...)`` made in the step: the index array
+    crosses to the device every step (LK004); a device-made index does not."""
+    body = """\
+    table = torch.randn(1000, 64).to(device)
+    for step in range(1000):
+        idx = {index}
+        loss = model(table[idx]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    head = HEAD.replace("import math\n", "import math\n\nimport numpy as np\n")
+    host = body.format(index="np.random.choice(1000, 32)")
+    assert _codes(host, head=head) == [(4, "LK004")]
+    made_there = body.format(index="torch.randint(0, 1000, (32,), device=device)")
+    assert _codes(made_there, head=head) == []

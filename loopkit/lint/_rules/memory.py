@@ -87,6 +87,7 @@ def empty_cache_in_loop(script: Script) -> Iterator[Hit]:
     "device=device) for np.random), or once, outside the loop (a buffer for forward())",
 )
 def host_factory_moved(script: Script) -> Iterator[Hit]:
+    yield from host_indexed(script)
     host = HostTensors(script)
     named = host.moves_of_named()
     for call in script.calls:
@@ -128,6 +129,39 @@ def host_factory_moved(script: Script) -> Iterator[Hit]:
             caller = _called_in_forward(script, scope)
             if caller is not None:
                 yield call, f"{what}, in `{scope.name}`, called from forward() at {caller}"
+
+
+def host_indexed(script: Script) -> Iterator[Hit]:
+    """``emb[idx]`` in a training step, ``emb`` a device tensor (bound to a ``.to(device)``
+    or ``.cuda()`` in the same function) and ``idx`` a numpy array made there
+    (``np.random.choice``, ``np.arange``): the index array is copied to the device each step."""
+    for loop in script.shape.step_loops:
+        scope = script.scope_of(loop)
+        on_device: set[str] = set()
+        from_numpy: set[str] = set()
+        for node in walk_scope(scope):
+            for name, value in assigned_names(node):
+                if isinstance(value, ast.Call) and device_move(value) == "device":
+                    on_device.add(name)
+                elif isinstance(value, ast.Call) and (dotted(value.func) or "").startswith(
+                    ("np.", "numpy.")
+                ):
+                    from_numpy.add(name)
+        for node in script.loop_body(loop):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.ctx, ast.Load)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in on_device
+                and isinstance(node.slice, ast.Name)
+                and node.slice.id in from_numpy
+                and not script.guarded_by_mod(node, loop)
+            ):
+                yield (
+                    node,
+                    f"`{ast.unparse(node)}`: a device tensor indexed with a numpy array, copied "
+                    "to the device every step, in a training loop",
+                )
 
 
 def _cache_fill(script: Script, call: ast.Call) -> str | None:
