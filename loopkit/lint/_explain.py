@@ -134,7 +134,10 @@ EXPLANATIONS: dict[str, Explanation] = {
         "command line) a loader built in a helper file that never names CUDA is asked for "
         "`pin_memory` when a CUDA script checked with it calls into that file. A script that "
         "does not train is there to run its one pass: it counts.",
-        not_real="Batches rebuilt on the host before their move, in every loop over the loader "
+        not_real="A loader over a Dataset of the program whose `__getitem__` returns only integer "
+        "tensors of what it holds (`torch.tensor(self.ids[i], dtype=torch.long)`, a dict or "
+        "tuple of them): token ids, a few KB a batch, gain nothing measurable from workers or "
+        "pinning. Batches rebuilt on the host before their move, in every loop over the loader "
         "(`ids = torch.tensor(pad(batch))`, then `ids.to(device)`): the loader's own tensors "
         "never travel, so `pin_memory` buys nothing and is not asked for. "
         "A loader only previewed (`next(iter(loader))` off the step: one batch), or "

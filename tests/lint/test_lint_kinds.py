@@ -361,3 +361,36 @@ def test_a_device_tensor_indexed_with_a_numpy_array_each_step_is_found() -> None
     assert _codes(host, head=head) == [(4, "LK004")]
     made_there = body.format(index="torch.randint(0, 1000, (32,), device=device)")
     assert _codes(made_there, head=head) == []
+
+
+ID_DATA = """\
+from torch.utils.data import DataLoader, Dataset
+
+
+class Pieces(Dataset):
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {item}
+
+
+loader = DataLoader(Pieces(corpus), batch_size=8)
+for batch in loader:
+    loss = model(batch["input_ids"].to(device)).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_loader_of_token_ids_needs_no_workers_nor_pinning() -> None:
+    """Items that are integer tensors of stored ids (a few KB a batch): no LK007; the same
+    loader of float features decoded per item keeps it."""
+    ids = '{"input_ids": torch.tensor(self.ids[i], dtype=torch.long)}'
+    assert _codes(ID_DATA.format(item=ids)) == []
+    decoded = '{"input_ids": torch.from_numpy(load_image(self.ids[i]))}'
+    assert _codes(ID_DATA.format(item=decoded)) == [(15, "LK007")]

@@ -12,6 +12,7 @@ from .._syntax import (
     is_const,
     keyword,
 )
+from ._id_batches import id_dataset
 from ._loader_use import (
     batches_rebuilt,
     in_memory_datasets,
@@ -31,7 +32,7 @@ from ._loader_use import (
     flags="a DataLoader without workers, or without `pin_memory` in a CUDA script (not one "
     "only previewed with `next(iter(...))` or read in one pass outside training, nor "
     "`pin_memory` for batches of a custom class that cannot be pinned or rebuilt on the host "
-    "before their move)",
+    "before their move, nor a data set of token ids)",
     why="without workers the main process loads every batch while the device waits; without "
     "pinned memory each batch is copied to the device from pageable memory",
     fix="loader = loopkit.distributed.loader(dataset, batch_size=...)",
@@ -61,6 +62,10 @@ def loader_in_main_process(script: Script) -> Iterator[Hit]:
         # CUDA tensors and pin_memory=True raises on them (the cost is that move: LK004's
         # territory, not the loader's settings).
         if on_device_dataset(script, dataset):
+            continue
+        # Items that are token ids (a few KB a batch, no decoding per item): workers and
+        # pinned memory buy nothing measurable.
+        if id_dataset(script, dataset):
             continue
         workers = loader_arg(call, "num_workers")
         problems: list[str] = []
