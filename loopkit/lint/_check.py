@@ -130,9 +130,11 @@ def check_paths(
                 (on_unseen or _report_unseen)(str(file), [str(p) for p in local])
             continue
         for module in local:
-            if len(seen) < MAX_FILES:
-                seen.add(_real(module))
-                queue.append(module)
+            if len(seen) >= MAX_FILES:
+                on_skip(str(module), f"not checked: the program has more than {MAX_FILES} files")
+                continue
+            seen.add(_real(module))
+            queue.append(module)
     # Checked together: a call in one file is followed into the functions of the others.
     whole_program([script for script, _ in parsed])
     findings: list[Finding] = []

@@ -51,7 +51,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         "optimizer) or a function it calls (up to 6 calls deep), and not under `if step % N`.",
         not_real="`.numpy()` alone reads nothing from the device: it raises on a device "
         "tensor, so what it runs on is on the host already (a batch before its move, "
-        "`y.numpy()` of `y = batch['y']`); in `t.cpu().numpy()` the `.cpu()` is the read. "
+        "`y.numpy()` of `y = batch['y']`); in `t.cpu().numpy()` the `.cpu()` is the read "
+        "(`t.numpy(force=True)` copies a device tensor: it is one). "
         "A read that steps a host environment (`actions = "
         "q(obs).argmax(1).cpu().numpy()` then `envs.step(actions)`: the transfer is the "
         "algorithm's input), a `.cpu()` of a tensor the same expression builds on the host "
@@ -90,13 +91,16 @@ EXPLANATIONS: dict[str, Explanation] = {
         '`torch.set_default_tensor_type("torch.cuda.FloatTensor")`, in any of its files), '
         "`torch.Tensor([1e10])` or `torch.tensor(np.ones(...))` copies host data to the device "
         "at each call. A cache that never hits copies at every call too: under `if key not "
-        "in cache:` a body that stores only under other keys (`cache[str(fmax) + '_' + "
-        "str(device)] = t.to(device)` after testing `fmax`). So does a device tensor indexed "
-        "with a numpy array made in the step (`table[idx]` with `idx = "
-        "np.random.choice(...)`): the index crosses each step. `import torch as th` is "
-        "understood.",
-        not_real="A move under `if key not in cache:` whose body stores under the key tested "
-        "fills the cache once per key: no finding. The same alias called on sizes (`Tensor(b, "
+        "in cache:` a body that stores only under string keys (`cache[str(fmax) + '_' + "
+        "str(device)] = t.to(device)`) after testing a key that is no string (`fmax`). So "
+        "does a device tensor indexed with a numpy array made in the step (`table[idx]` with "
+        "`idx = np.random.choice(n, k)`, `np.arange`, `np.where`): the index crosses each "
+        "step. `import torch as th` is understood.",
+        not_real="A move under `if key not in cache:` whose body stores under the key tested, "
+        "or under another spelling of it (`key = (n, d)`, `int(n)`: taken on trust), fills "
+        "the cache once per key: no finding. A scalar numpy index (`np.random.randint(n)`) "
+        "copies nothing. The default device counts only for files the setting file is or "
+        "imports, and only when it names CUDA. The same alias called on sizes (`Tensor(b, "
         "1).fill_(1.0)`) allocates on the "
         "device on a GPU run and builds nothing on the host (its cost, an allocation and a "
         "fill kernel, is the same as `torch.ones(..., device=device)`'s). A zero-element "
@@ -256,18 +260,22 @@ EXPLANATIONS: dict[str, Explanation] = {
         "loop (a function it calls is not looked into), and not under `if step % N`. The loss "
         "is the tensor back-propagated by name: `loss` in `loss.backward()`, "
         "`accelerator.backward(loss)` or `scaler.scale(loss).backward()`. Each of these needs "
-        "its value on the host: a branch or `assert` on it, `float(loss)`, `float(torch.exp("
-        "loss))` (the exponential is on the device, the float is a read), `math.exp(loss)`, "
-        'the loss formatted into a string (`f"{loss:.3f}"` in a print or a progress bar\'s '
-        '`set_description`), and a tracker given it (`wandb.log({"loss": loss})`, '
-        '`writer.add_scalar("loss", loss, step)`, `mlflow.log_metric("loss", loss)`), '
-        "which reads it to record a number.",
+        "its value on the host: a branch or `assert` on it, `float(loss)`, "
+        "`float(torch.exp(loss))` (the exponential is on the device, the float is a read), "
+        "`math.exp(loss)`, the loss formatted into a string (an f-string, `%`, `str.format`, "
+        '`print("loss", loss)`, a progress bar\'s `set_description` or `set_postfix(loss='
+        'loss)`), and a tracker given it (`wandb.log({"loss": loss})`, `accelerator.log'
+        '(...)`, `writer.add_scalar("loss", loss, step)` or with keywords, `add_scalars`, '
+        '`mlflow.log_metric("loss", loss)`), which reads it to record a number.',
         not_real="`accelerator.backward(loss)` makes `loss` the loss, not `accelerator`: `if "
         "accelerator.sync_gradients:` is a Python bool. A name rebound to a host value in the "
-        "loop (`loss = loss.item()`) is one too. A use that reads explicitly (`if "
-        "loss.item() < best:`, `f\"{loss.item():.3f}\"`) is LK002's finding, not this one's. "
-        "`logger.log(...)` is not taken for a tracker. Under `if step % N == 0:` it is once "
-        "per N steps.",
+        "loop (`loss = loss.item()`) is one too. What a tensor tells without its values waits "
+        "for nothing: `loss.shape`, `.dtype`, `.device`, `.requires_grad`, `loss is None`, "
+        "`isinstance(loss, T)`. A use that reads explicitly (`if loss.item() < best:`, "
+        "`f\"{loss.item():.3f}\"`) is LK002's finding, not this one's. A `log` method counts "
+        "as a tracker's only on a name made of a tracker's word (wandb, run, experiment, "
+        "tracker, accelerator, mlflow, neptune, comet): `logger.log(...)`, `pruner.log(x)` are "
+        "not. Under `if step % N == 0:` it is once per N steps.",
     ),
     "LK017": Explanation(
         real="Every step in the training loop or in a function it calls.",

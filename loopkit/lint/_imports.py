@@ -54,6 +54,9 @@ def _candidates(here: Path, module: str, level: int) -> list[Path]:
             folder = folder.parent
             bases.append(folder)
     out: list[Path] = []
+    # Installed libraries are not the program's: a script inside a package that sits in
+    # site-packages would otherwise pull torch (and whatever else is installed) in.
+    bases = [b for b in bases if not _installed(b)]
     for base in bases:
         if not parts:
             out.append(base / "__init__.py")
@@ -61,3 +64,8 @@ def _candidates(here: Path, module: str, level: int) -> list[Path]:
         stem = base.joinpath(*parts)
         out += [stem.with_name(stem.name + ".py"), stem / "__init__.py"]
     return out
+
+
+def _installed(folder: Path) -> bool:
+    """A folder of installed packages (``site-packages``, ``dist-packages``) or one inside it."""
+    return any(part in {"site-packages", "dist-packages"} for part in folder.parts)

@@ -76,16 +76,25 @@ class Script(SourceFile):
 
     @property
     def default_on_device(self) -> bool:
-        """Whether a file of the program makes new tensors on an accelerator by default
-        (``torch.set_default_device("cuda")``, ``set_default_tensor_type(torch.cuda.
-        FloatTensor)``): host data given to ``torch.tensor(...)`` is then copied over."""
-        for script in self._project().scripts:
-            for call in script.calls:
-                name = dotted(call.func) or ""
-                if name.rsplit(".", 1)[-1] in {"set_default_device", "set_default_tensor_type"}:
-                    given = ast.unparse(call.args[0]) if call.args else ""
-                    if "cuda" in given or "device" in given.lower():
-                        return True
+        """Whether this file runs where new tensors are made on an accelerator by default: a
+        file of the program that sets it (``torch.set_default_device("cuda")``,
+        ``set_default_tensor_type(torch.cuda.FloatTensor)``) is this one or imports it, at
+        any depth. Host data given to ``torch.tensor(...)`` is then copied over."""
+        program = self._project()
+        for script in program.scripts:
+            if not _sets_cuda_default(script):
+                continue
+            reached, frontier = {id(script)}, [script]
+            while frontier:
+                deeper = []
+                for here in frontier:
+                    for found in program.imports_of(here):
+                        if id(found) not in reached:
+                            reached.add(id(found))
+                            deeper.append(found)
+                frontier = deeper
+            if id(self) in reached:
+                return True
         return False
 
     # ---- where a node runs under a branch (see _branches) ----------------------------
@@ -106,3 +115,23 @@ def whole_program(scripts: list[Script]) -> Program[Script]:
     for script in scripts:
         script.project = program
     return program
+
+
+def _sets_cuda_default(script: SourceFile) -> bool:
+    for call in script.calls:
+        name = (dotted(call.func) or "").rsplit(".", 1)[-1]
+        defaults = name in {"set_default_device", "set_default_tensor_type"}
+        if defaults and call.args and _names_cuda(script, call.args[0], 0):
+            return True
+    return False
+
+
+def _names_cuda(script: SourceFile, value: ast.expr, depth: int) -> bool:
+    """Whether a value says CUDA: ``"cuda"``, ``torch.device("cuda:0")``,
+    ``torch.cuda.FloatTensor``, or a name every binding of which does."""
+    if isinstance(value, ast.Name) and depth < 3:
+        bound = script.bindings.get(value.id, [])
+        return bool(bound) and all(
+            v is not None and _names_cuda(script, v, depth + 1) for v in bound
+        )
+    return "cuda" in ast.unparse(value)

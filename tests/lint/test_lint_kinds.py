@@ -5,6 +5,7 @@ and logging, evaluation not named like evaluation, and the look-alikes that must
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -394,3 +395,113 @@ def test_a_loader_of_token_ids_needs_no_workers_nor_pinning() -> None:
     assert _codes(ID_DATA.format(item=ids)) == []
     decoded = '{"input_ids": torch.from_numpy(load_image(self.ids[i]))}'
     assert _codes(ID_DATA.format(item=decoded)) == [(15, "LK007")]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'writer.add_scalar(tag="loss", scalar_value=loss, global_step=step)',
+        "bar.set_postfix(loss=loss)",
+        'print("loss %.4f" % loss)',
+        'print("loss {:.4f}".format(loss))',
+        'print("loss", loss)',
+        'accelerator.log({"train_loss": loss}, step=step)',
+        'writer.add_scalars("train", {"loss": loss}, step)',
+        "wandb.log(dict(loss=loss))",
+    ],
+)
+def test_more_spellings_of_a_hidden_loss_read_are_found(line: str) -> None:
+    """Keyword-only tracker calls, a progress bar's postfix, %-formatting, str.format, a
+    print of the tensor, Accelerate's tracker, add_scalars and dict(...): LK016 each."""
+    assert _codes(STEP.format(line=line)) == [(7, "LK016")]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'print(f"loss shape {loss.shape} dtype {loss.dtype} on {loss.device}")',
+        "if loss is None: continue",
+        "assert not isinstance(loss, float)",
+        "pruner.log(loss)",
+        "self_running_stats.log(loss)",
+    ],
+)
+def test_metadata_identity_and_non_trackers_are_not_reads(line: str) -> None:
+    """A tensor's shape, dtype or device, ``is None``, ``isinstance`` and a ``log`` method of
+    an object that is no tracker wait for nothing: no LK016."""
+    assert (7, "LK016") not in _codes(STEP.format(line=line))
+
+
+def test_numpy_force_true_is_a_device_read() -> None:
+    """``.numpy(force=True)`` copies a device tensor to the host: LK002 (plain ``.numpy()``
+    would raise on it, so it is a host tensor's)."""
+    line = "kept.append(loss.detach().numpy(force=True))"
+    assert _codes(STEP.format(line=line)) == [(7, "LK002")]
+
+
+def test_a_scalar_numpy_index_copies_nothing() -> None:
+    """``data[np.random.randint(n)]``: a scalar index, no array crosses (no LK004)."""
+    body = """\
+    table = torch.randn(1000, 64).to(device)
+    for step in range(1000):
+        i = np.random.randint(1000)
+        loss = model(table[i]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    head = HEAD.replace("import math\n", "import math\n\nimport numpy as np\n")
+    assert _codes(body, head=head) == []
+
+
+@pytest.mark.parametrize("key", ["key", "int(n)"])
+def test_a_cache_keyed_by_another_spelling_of_the_same_key_is_a_cache(key: str) -> None:
+    """``key = (n, d)`` or ``int(n)`` after testing ``(n, d)``/``n``: taken on trust as the
+    same key, a cache filled once (no LK004)."""
+    source = f"""\
+import torch
+
+
+class Positions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = {{}}
+
+    def forward(self, x, n, d):
+        if {"(n, d)" if key == "key" else "n"} not in self.cache:
+            key = (n, d)
+            self.cache[{key}] = torch.arange(n).float().to(x.device)
+        return x
+"""
+    assert lint.check_source(source, "pos.py") == []
+
+
+def test_a_cpu_default_or_another_scripts_default_is_no_cuda_default(tmp_path: Path) -> None:
+    """``set_default_device("cpu")`` is no CUDA default; a CUDA default set in an unrelated
+    script of the same folder does not reach a file it does not import."""
+    loop = (
+        "for step in range(1000):\n"
+        "    x = torch.Tensor([1.0, 2.0])\n"
+        "    loss = model(x).sum()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+    )
+    cpu = 'import torch\n\ntorch.set_default_device("cpu")\n' + loop
+    assert lint.check_source(cpu, "run.py") == []
+    (tmp_path / "train.py").write_text("import torch\n\nmodel = model.cuda()\n" + loop)
+    (tmp_path / "bench.py").write_text('import torch\n\ntorch.set_default_device("cuda")\n')
+    assert lint.check_paths([tmp_path]) == []
+    (tmp_path / "bench.py").write_text(
+        'import torch\n\ntorch.set_default_device("cuda")\nimport train\n'
+    )
+    assert [(Path(f.path).name, f.line, f.code) for f in lint.check_paths([tmp_path])] == [
+        ("train.py", 5, "LK004")
+    ]
+
+
+def test_an_as_tensor_view_of_the_batch_still_wants_pinning() -> None:
+    """``torch.as_tensor(batch[0])`` shares the batch's memory: the loader's tensor is what
+    travels, so LK007 keeps asking for pin_memory."""
+    body = LOADER.format(ids='torch.as_tensor(batch["ids"])')
+    assert _codes(body) == [(3, "LK007")]

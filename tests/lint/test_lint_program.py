@@ -147,3 +147,25 @@ def test_device_is_decided_by_the_program_not_the_file() -> None:
     assert on == {"train.py", "mid.py", "leaf.py"}
     assert [Path(p.path).name for p in program.imports_of(scripts[0])] == ["mid.py"]
     assert isinstance(scripts[2].tree, ast.Module) and scripts[2].uses_accelerator
+
+
+def test_a_script_inside_installed_packages_pulls_none_of_them_in(tmp_path: Path) -> None:
+    """A file in site-packages whose imports name other installed packages (a torch/ beside
+    it): none is followed (a one-file check stays one file, not hundreds)."""
+    site = tmp_path / "lib" / "site-packages"
+    for package in ("torch", "pkg"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("x = 1\n")
+    (site / "pkg" / "util.py").write_text("y = 2\n")
+    script = site / "pkg" / "train.py"
+    script.write_text("import torch\nfrom . import util\n")
+    assert local_imports(parse(script.read_text(), str(script))) == []
+    # The same layout outside site-packages is the program's own code: followed.
+    project = tmp_path / "project"
+    (project / "pkg").mkdir(parents=True)
+    (project / "torch").mkdir()
+    (project / "torch" / "__init__.py").write_text("x = 1\n")
+    (project / "pkg" / "__init__.py").write_text("")
+    mine = project / "pkg" / "train.py"
+    mine.write_text("import torch\n")
+    assert local_imports(parse(mine.read_text(), str(mine))) == [project / "torch" / "__init__.py"]

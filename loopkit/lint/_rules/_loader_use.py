@@ -185,7 +185,8 @@ def loader_uses(script: Script, call: ast.Call) -> set[str] | None:
 
 
 # Constructors that copy host data into a new tensor: what they make is not the loader's batch.
-_REBUILDS = {"tensor", "as_tensor", "from_numpy", "LongTensor", "FloatTensor", "Tensor"}
+# (``as_tensor`` and ``from_numpy`` share the batch's memory: what they return is the batch.)
+_REBUILDS = {"tensor", "LongTensor", "FloatTensor", "Tensor"}
 
 
 def batches_rebuilt(script: Script, call: ast.Call) -> bool:

@@ -24,6 +24,18 @@ SYNCS = frozenset({"item", "cpu", "numpy", "tolist"})
 DEVICE_READS = SYNCS - {"numpy"}
 
 
+def reads_device(call: ast.Call) -> bool:
+    """``x.item()``, ``x.cpu()``, ``x.tolist()`` (no arguments: numpy's take some), and
+    ``x.numpy(force=True)``, which copies a device tensor instead of raising."""
+    name = method(call)
+    if name == "numpy":
+        return any(
+            k.arg == "force" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+            for k in call.keywords
+        )
+    return name in DEVICE_READS and not call.args
+
+
 def straight_from_loader(call: ast.Call, loop: ast.For | ast.AsyncFor) -> bool:
     """True for ``y.numpy()`` on a batch the loop gets from the loader (host memory): not
     rebound on a line before the read (``labels = f(labels.numpy())`` reads the loader's)."""

@@ -12,6 +12,7 @@ from .._syntax import (
     FUNCS,
     assigned_names,
     backwarded,
+    callee,
     device_move,
     dotted,
     method,
@@ -131,30 +132,38 @@ def host_factory_moved(script: Script) -> Iterator[Hit]:
                 yield call, f"{what}, in `{scope.name}`, called from forward() at {caller}"
 
 
+# numpy calls that make an index array (a scalar index, np.random.randint(n), copies nothing).
+_INDEX_ARRAYS = {"arange", "array", "asarray", "where", "nonzero", "flatnonzero", "permutation",
+                 "argsort", "concatenate", "unique"}  # fmt: skip
+
+
 def host_indexed(script: Script) -> Iterator[Hit]:
     """``emb[idx]`` in a training step, ``emb`` a device tensor (bound to a ``.to(device)``
-    or ``.cuda()`` in the same function) and ``idx`` a numpy array made there
-    (``np.random.choice``, ``np.arange``): the index array is copied to the device each step."""
+    or ``.cuda()`` in the same function) and ``idx`` a numpy array made in the step
+    (``np.random.choice(n, k)``, ``np.arange``): the index array is copied to the device."""
     for loop in script.shape.step_loops:
         scope = script.scope_of(loop)
-        on_device: set[str] = set()
-        from_numpy: set[str] = set()
-        for node in walk_scope(scope):
-            for name, value in assigned_names(node):
-                if isinstance(value, ast.Call) and device_move(value) == "device":
-                    on_device.add(name)
-                elif isinstance(value, ast.Call) and (dotted(value.func) or "").startswith(
-                    ("np.", "numpy.")
-                ):
-                    from_numpy.add(name)
-        for node in script.loop_body(loop):
+        on_device = {
+            name
+            for node in walk_scope(scope)
+            for name, value in assigned_names(node)
+            if isinstance(value, ast.Call) and device_move(value) == "device"
+        }
+        body = script.loop_body(loop)
+        arrays = {
+            name
+            for node in body
+            for name, value in assigned_names(node)
+            if isinstance(value, ast.Call) and _index_array(value)
+        }
+        for node in body:
             if (
                 isinstance(node, ast.Subscript)
                 and isinstance(node.ctx, ast.Load)
                 and isinstance(node.value, ast.Name)
                 and node.value.id in on_device
                 and isinstance(node.slice, ast.Name)
-                and node.slice.id in from_numpy
+                and node.slice.id in arrays
                 and not script.guarded_by_mod(node, loop)
             ):
                 yield (
@@ -162,6 +171,17 @@ def host_indexed(script: Script) -> Iterator[Hit]:
                     f"`{ast.unparse(node)}`: a device tensor indexed with a numpy array, copied "
                     "to the device every step, in a training loop",
                 )
+
+
+def _index_array(call: ast.Call) -> bool:
+    name = dotted(call.func) or ""
+    if not name.startswith(("np.", "numpy.")):
+        return False
+    last = name.rsplit(".", 1)[-1]
+    if last in {"choice", "randint"}:  # an array only with a size
+        size = len(call.args) >= (2 if last == "choice" else 3)
+        return size or any(k.arg == "size" for k in call.keywords)
+    return last in _INDEX_ARRAYS
 
 
 def _cache_fill(script: Script, call: ast.Call) -> str | None:
@@ -180,16 +200,39 @@ def _cache_fill(script: Script, call: ast.Call) -> str | None:
                     cache = receiver(cache) or cache
                 name = dotted(cache)
                 stored = [
-                    ast.unparse(target.slice)
+                    target.slice
                     for node in ast.walk(parent)
                     if isinstance(node, ast.Assign)
                     for target in node.targets
                     if isinstance(target, ast.Subscript) and name and dotted(target.value) == name
                 ]
                 if stored:
-                    return "hits" if ast.unparse(test.left) in stored else "misses"
+                    return _hit_or_miss(test.left, stored)
         child, parent = parent, script.parents.get(parent)
     return None
+
+
+def _hit_or_miss(tested: ast.expr, stored: list[ast.expr]) -> str:
+    """ "misses" when every store builds a string key (``str(fmax) + "_" + ...``, an
+    f-string) and the key tested is no string (a number never equals a string); else "hits":
+    the same key, or another spelling of it (``key = (n, d)``, ``int(n)``) taken on trust."""
+    if any(ast.unparse(key) == ast.unparse(tested) for key in stored) or _builds_str(tested):
+        return "hits"
+    return "misses" if all(_builds_str(key) for key in stored) else "hits"
+
+
+def _builds_str(key: ast.expr) -> bool:
+    if isinstance(key, ast.JoinedStr) or (
+        isinstance(key, ast.Constant) and isinstance(key.value, str)
+    ):
+        return True
+    if isinstance(key, ast.Call) and callee(key) == "str":
+        return True
+    return (
+        isinstance(key, ast.BinOp)
+        and isinstance(key.op, ast.Add)
+        and (_builds_str(key.left) or _builds_str(key.right))
+    )
 
 
 def _called_in_forward(script: Script, func: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:

@@ -23,13 +23,13 @@ from .._syntax import (
 from ._eval_reads import eval_batch_loop, never_used, of_a_metric
 from ._loss_reads import loss_as_value, test_of
 from ._sync_reads import (
-    DEVICE_READS,
     feeds_an_environment,
     feeds_per_sample_loop,
     from_loader_only,
     gradient_tensors,
     host_built,
     names_in,
+    reads_device,
     reads_explicitly,
     straight_from_loader,
     tensor_branch_never_taken,
@@ -53,7 +53,7 @@ def sync_every_step(script: Script) -> Iterator[Hit]:
     shape = script.shape
     for call in script.calls:
         name = method(call)
-        if name not in DEVICE_READS or call.args:
+        if not reads_device(call):
             continue  # numpy's arr.item(0) and friends take arguments; torch's do not
         if name == "cpu" and script.uses_rpc:
             continue  # RPC sends tensors through the host: the copy is the transport
@@ -83,7 +83,7 @@ def _syncs_in_called_functions(script: Script) -> Iterator[Hit]:
     one sync per parameter per step."""
     for call in script.calls:
         name = method(call)
-        if name not in DEVICE_READS or call.args or (name == "cpu" and script.uses_rpc):
+        if not reads_device(call) or (name == "cpu" and script.uses_rpc):
             continue
         reach = script.reach_of(call)
         if reach is None or script.scope_of(call) in script.shape.called_step_funcs:
@@ -185,7 +185,7 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
         # metric.add_batch(predictions=..., references=...) (Hugging Face evaluate) converts
         # its device tensors to host lists: a read per batch too.
         adds = name == "add_batch" and "metric" in (dotted(receiver(call)) or "").lower()
-        if not (is_float or adds or (name in DEVICE_READS and not call.args)):
+        if not (is_float or adds or reads_device(call)):
             continue
         if not adds and not of_a_metric(script, call) and not never_used(script, call):
             continue  # a generated token, a picture: not what evaluate sums
