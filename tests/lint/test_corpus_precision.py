@@ -22,10 +22,17 @@ from helpers import ROOT, deep
 from loopkit import lint
 
 LINT = ROOT / "tests" / "lint"
-CORPORA = {"dev": LINT / "dev", "held-out 1": LINT / "heldout", "held-out 2": LINT / "heldout2"}
+CORPORA = {
+    "dev": LINT / "dev",
+    "held-out 1": LINT / "heldout",
+    "held-out 2": LINT / "heldout2",
+    "held-out 4": LINT / "heldout4",
+}
 """``held-out 1`` was measured once unseen (46 of 54 findings right, 85%), then its errors
-were shown to the rules' authors: it is a development set since. ``held-out 2`` has never
-been read by them: its figure is the one that counts."""
+were shown to the rules' authors: it is a development set since. ``held-out 2`` was never read
+by them. ``held-out 4`` (issue 45: built and labelled by readers who never saw the rules,
+measured once on 2026-11-29 after the whole-program work) is the newest figure; nothing is tuned
+on it. (Held-out 3 is an outside reader's and stays unpublished.)"""
 EVERY = list(lint.RULES)
 Key = tuple[str, str, int, str]
 
@@ -73,9 +80,9 @@ def _key(label: dict[str, Any]) -> Key:
     return (str(label["repo"]), str(label["path"]), int(label["line"]), str(label["code"]))
 
 
-# CI reads the held-out set that counts; the development sets (a minute on 2 cores) go deep.
+# CI reads the newest held-out set; the others (a minute and a half on 2 cores) go deep.
 @pytest.mark.parametrize(
-    "corpus", [pytest.param(c, marks=[] if c == "held-out 2" else [deep]) for c in CORPORA]
+    "corpus", [pytest.param(c, marks=[] if c == "held-out 4" else [deep]) for c in CORPORA]
 )
 def test_the_findings_are_exactly_the_labelled_ones(corpus: str) -> None:
     """Every finding on the corpus is labelled, and every labelled finding is still found."""
