@@ -24,10 +24,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-compiling: Callable[[], bool] = getattr(
-    torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling
-)
-"""Whether dynamo is tracing the caller (False in eager code)."""
+def compiling() -> bool:
+    """Whether dynamo is tracing the caller (False in eager code).
+
+    Called through ``torch.compiler`` each time: dynamo folds the call to True only when it
+    sees the attribute path; a module-level alias of the same function is traced as an
+    ordinary call that returns False (then ``autocast`` entered in a graph is left outside
+    it: shared/repros/edges3/r3_16)."""
+    return torch.compiler.is_dynamo_compiling()
 
 
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
