@@ -196,9 +196,9 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         window = self._window
         ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
         if window.micro == 0:
-            # A window opens: gradients left by code outside it (another model's backward
-            # through this one, a forward/backward outside the step) must not join its update.
-            window.cleared_foreign = self._params.clear_grads()
+            # A window opens: foreign gradients (another model's backward through this one,
+            # code outside the step) and the last update's (a lazy grad_norm's) go.
+            window.cleared_foreign, self._progress.norm_source = self._params.clear_grads(), None
         self._sync.enter(ending)
         self._final_pending = False  # the mark is for this one micro-step only
         self._ending = ending

@@ -28,13 +28,19 @@ from ._window import Window
 class Progress:
     """What a user reads: updates made and skipped, the skip run, the last gradient norm."""
 
-    __slots__ = ("consecutive_skips", "grad_norm", "last_updated", "loaded", "skipped", "updates")
+    __slots__ = (
+        "consecutive_skips", "grad_norm", "last_updated", "loaded", "norm_source", "skipped",
+        "updates",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.updates = 0
         self.skipped = 0
         self.consecutive_skips = 0
         self.grad_norm: torch.Tensor | None = None
+        # The last update's gradients, held from the update to the next window's first
+        # micro-step, for a norm nobody asked to measure but a reader asks for (lazily).
+        self.norm_source: list[torch.Tensor] | None = None
         self.last_updated = False  # whether the last window closed made an update (not a skip)
         self.loaded: int | None = None
         """Windows closed (updates and skips) as loaded from a checkpoint; None if never."""
@@ -212,6 +218,10 @@ class UpdateRule:
         elif self.measures_norm:
             grads = [p.grad for p in params if p.grad is not None]
             progress.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        elif self.kind != "fsdp1" and self.kind != "fsdp2":
+            # Nothing measured: a list of the gradients, read lazily (norm_read) if at all.
+            progress.grad_norm = None
+            progress.norm_source = [p.grad for p in params if p.grad is not None]
         # 4. Guard and step: fp16's scaler skips inf/nan by itself, the guard does for
         #    bf16/fp32; both decide alike on every rank.
         if amp is not None and amp.scaler is not None:
@@ -251,15 +261,28 @@ class UpdateRule:
         return False
 
     def norm_read(self, progress: Progress, built_as: str) -> torch.Tensor | None:
-        """The last update's norm for a reader; refused where nothing measures it."""
-        if not self.measures_norm:
-            name = "step" if built_as == "loopkit.step" else "acc"
-            raise RuntimeError(
-                f"{name}.grad_norm is not measured: this {built_as} neither clips nor was "
-                "asked for the norm, and measures nothing it was not asked for. Build it with "
-                "measure_grad_norm=True (one foreach norm per update) or clip_grad_norm=..."
-            )
-        return progress.grad_norm
+        """The last update's norm for a reader. Unmeasured, it is computed at the first read
+        from the update's gradients, held until the next window's first micro-step (a device
+        tensor, no host sync: the same bits as measuring it at the update, for an optimizer
+        that leaves the gradients as they are); refused where they are gone or sharded."""
+        if self.measures_norm or progress.grad_norm is not None or not progress.updates:
+            return progress.grad_norm
+        source = progress.norm_source
+        if source is not None:
+            progress.norm_source = None
+            progress.grad_norm = torch.nn.utils.get_total_norm(source) if source else None
+            return progress.grad_norm
+        name = "step" if built_as == "loopkit.step" else "acc"
+        where = (
+            "its gradients are sharded (a norm needs every rank: read on one, it would hang)"
+            if self.kind in ("fsdp1", "fsdp2")
+            else "the next window has begun (read it after the update, before the next micro-step)"
+        )
+        raise RuntimeError(
+            f"{name}.grad_norm of the last update is not measured: this {built_as} neither "
+            f"clips nor was asked for the norm, and {where}. Build it with "
+            "measure_grad_norm=True (one foreach norm per update) or clip_grad_norm=..."
+        )
 
     def _step_optimizer(self, opt: torch.optim.Optimizer) -> None:
         if self.compiled_step is None:
