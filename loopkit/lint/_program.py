@@ -270,8 +270,12 @@ class Program(Generic[F]):
 
     @cached_property
     def _device_files(self) -> frozenset[int]:
-        found = {id(s) for s in self.scripts if s.mentions_accelerator}
-        frontier = [s for s in self.scripts if id(s) in found]
+        return self.imported_from([s for s in self.scripts if s.mentions_accelerator])
+
+    def imported_from(self, roots: list[F]) -> frozenset[int]:
+        """``id()`` of ``roots`` and of every checked file they import, at any depth."""
+        found = {id(s) for s in roots}
+        frontier = list(roots)
         while frontier:
             deeper: list[F] = []
             for script in frontier:

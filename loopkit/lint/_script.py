@@ -81,21 +81,8 @@ class Script(SourceFile):
         ``set_default_tensor_type(torch.cuda.FloatTensor)``) is this one or imports it, at
         any depth. Host data given to ``torch.tensor(...)`` is then copied over."""
         program = self._project()
-        for script in program.scripts:
-            if not _sets_cuda_default(script):
-                continue
-            reached, frontier = {id(script)}, [script]
-            while frontier:
-                deeper = []
-                for here in frontier:
-                    for found in program.imports_of(here):
-                        if id(found) not in reached:
-                            reached.add(id(found))
-                            deeper.append(found)
-                frontier = deeper
-            if id(self) in reached:
-                return True
-        return False
+        setters = [s for s in program.scripts if _sets_cuda_default(s)]
+        return bool(setters) and id(self) in program.imported_from(setters)
 
     # ---- where a node runs under a branch (see _branches) ----------------------------
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 
 from .._script import Script
-from .._syntax import FUNCS, assigned_names, dotted, keyword, walk_scope
+from .._syntax import FUNCS, dotted, keyword, walk_scope
+from ._loader_use import built_from
 
 _INT_TYPES = {"LongTensor", "IntTensor"}
 _INT_DTYPES = {"long", "int64", "int32", "int"}
@@ -16,14 +17,7 @@ def id_dataset(script: Script, dataset: ast.expr | None) -> bool:
     """A Dataset class of the program whose ``__getitem__`` returns only integer tensors made
     from what it holds (``torch.tensor(self.ids[i], dtype=torch.long)``, a dict or tuple of
     them): token ids, no decoding or augmentation per item."""
-    if isinstance(dataset, ast.Name):
-        values = [
-            v
-            for n in ast.walk(script.tree)
-            for name, v in assigned_names(n)
-            if name == dataset.id and v is not None
-        ]
-        dataset = values[0] if len(values) == 1 else None
+    dataset = built_from(script, dataset)
     if not isinstance(dataset, ast.Call) or script.project is None:
         return False
     found = script.project._class(script, dataset.func)

@@ -71,16 +71,22 @@ def tokenizer_collate(script: Script, call: ast.Call) -> bool:
     return isinstance(collate, ast.Call) and "Collator" in callee(collate)
 
 
+def built_from(script: Script, dataset: ast.expr | None) -> ast.expr | None:
+    """The expression a data set is: itself, or a name's one value in the file (else None)."""
+    if not isinstance(dataset, ast.Name):
+        return dataset
+    values = [
+        v
+        for n in ast.walk(script.tree)
+        for name, v in assigned_names(n)
+        if name == dataset.id and v is not None
+    ]
+    return values[0] if len(values) == 1 else None
+
+
 def on_device_dataset(script: Script, dataset: ast.expr | None) -> bool:
     """A Dataset class of this file whose ``__getitem__`` moves what it returns to the device."""
-    if isinstance(dataset, ast.Name):
-        values = [
-            v
-            for n in ast.walk(script.tree)
-            for name, v in assigned_names(n)
-            if name == dataset.id and v is not None
-        ]
-        dataset = values[0] if len(values) == 1 else None
+    dataset = built_from(script, dataset)
     if not isinstance(dataset, ast.Call) or not isinstance(dataset.func, ast.Name):
         return False
     cls = script.classes.get(dataset.func.id)
