@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING
 
-from ._syntax import assigned_names, dotted, has_mod, walk_scope
+from ._syntax import dotted, has_mod
 
 if TYPE_CHECKING:
     from ._parsed import SourceFile
@@ -34,9 +34,7 @@ def _cadence(script: SourceFile, test: ast.expr) -> bool:
         return True
     scope = script.scope_of(test)
     for name in (n.id for n in ast.walk(test) if isinstance(n, ast.Name)):
-        values = [
-            v for node in walk_scope(scope) for bound, v in assigned_names(node) if bound == name
-        ]
+        values = [v for bound, v in script.scope_bindings(scope) if bound == name]
         if values and all(v is not None and has_mod(v) for v in values):
             return True
     return False

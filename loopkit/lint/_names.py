@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from functools import cached_property
 
-from ._syntax import FUNCS, SCOPES, dotted
+from ._syntax import FUNCS, SCOPES, assigned_names, dotted, walk_scope
 
 
 class FileNames:
@@ -15,10 +15,27 @@ class FileNames:
     def __init__(self, tree: ast.Module, path: str) -> None:
         self.tree = tree
         self.path = path
+        # Every node once, in ast.walk's order: the rules scan the file many times.
+        self.nodes: list[ast.AST] = list(ast.walk(tree))
         self.parents: dict[ast.AST, ast.AST] = {}
-        for node in ast.walk(tree):
+        for node in self.nodes:
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
+        self._scope_bindings: dict[ast.AST, list[tuple[str, ast.expr | None]]] = {}
+
+    def scope_bindings(self, scope: ast.AST) -> list[tuple[str, ast.expr | None]]:
+        """(name, value) of each plain-name binding that runs with ``scope`` (nested defs
+        left out), in the order walked; computed once per scope (rules ask it per name)."""
+        found = self._scope_bindings.get(scope)
+        if found is None:
+            found = [b for n in walk_scope(scope) for b in assigned_names(n)]
+            self._scope_bindings[scope] = found
+        return found
+
+    @cached_property
+    def import_froms(self) -> list[ast.ImportFrom]:
+        """Every ``from module import ...`` of the file, any scope."""
+        return [n for n in self.nodes if isinstance(n, ast.ImportFrom)]
 
     def scope_of(self, node: ast.AST) -> ast.AST:
         parent = self.parents.get(node)
@@ -30,7 +47,7 @@ class FileNames:
     def defs(self) -> dict[ast.AST, dict[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
         """Scope (module, function, class) -> the functions defined directly in it, by name."""
         found: dict[ast.AST, dict[str, ast.FunctionDef | ast.AsyncFunctionDef]] = {}
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             if isinstance(node, FUNCS):
                 found.setdefault(self.scope_of(node), {})[node.name] = node  # the last wins
         return found
@@ -38,7 +55,7 @@ class FileNames:
     @cached_property
     def classes(self) -> dict[str, ast.ClassDef]:
         """The classes of this file by name."""
-        return {n.name: n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef)}
+        return {n.name: n for n in self.nodes if isinstance(n, ast.ClassDef)}
 
     @cached_property
     def bindings(self) -> dict[str, list[ast.expr | None]]:

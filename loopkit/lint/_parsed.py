@@ -34,7 +34,7 @@ class SourceFile(FileNames):
 
     def __init__(self, tree: ast.Module, path: str = "<string>") -> None:
         super().__init__(tree, path)
-        self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        self.calls = [n for n in self.nodes if isinstance(n, ast.Call)]
 
     # ---- calls -----------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ class SourceFile(FileNames):
         """Whether this file's own text can run on an accelerator: it names cuda/mps/xpu/npu
         or an accelerator, or moves tensors to a device or rank (the program decides the rest:
         ``Program.on_device``)."""
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 if any(d in node.value for d in _ACCELERATORS):
                     return True
@@ -185,7 +185,7 @@ class SourceFile(FileNames):
     def uses_rpc(self) -> bool:
         """Whether the script uses torch.distributed.rpc (tensors travel through the host;
         dist_autograd keeps gradients per context, so nothing needs zeroing)."""
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 names += [a.name for a in node.names]
@@ -197,7 +197,7 @@ class SourceFile(FileNames):
     def sums_grads_by_hand(self) -> bool:
         """Whether the script adds into ``.grad`` itself (``p.grad += g``): it needs the
         gradients zeroed in place, not set to None."""
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             if isinstance(node, ast.AugAssign):
                 target: ast.expr = node.target
                 while isinstance(target, ast.Subscript):
@@ -216,7 +216,7 @@ class SourceFile(FileNames):
     def float_funcs(self) -> frozenset[str]:
         """Functions of this file whose every return value holds no graph (loss.item(), ...)."""
         names: set[str] = set()
-        for func in ast.walk(self.tree):
+        for func in self.nodes:
             if isinstance(func, FUNCS):
                 returns = [n for n in walk_scope(func) if isinstance(n, ast.Return)]
                 if returns and all(is_detached(r.value) for r in returns):

@@ -78,7 +78,7 @@ def _tensor_type_aliases(script: Script) -> dict[str, str]:
     Tensor``) or 'cuda' (``torch.cuda.FloatTensor``, or ``torch.cuda.FloatTensor if cuda else
     torch.FloatTensor``: on a GPU run it builds on the device directly)."""
     aliases: dict[str, str] = {}
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         if isinstance(node, ast.ImportFrom) and node.module == "torch":
             for alias in node.names:
                 if alias.name in _TENSOR_TYPES:

@@ -39,7 +39,7 @@ def random_sampler(script: Script, sampler: ast.expr | None) -> bool:
     if isinstance(sampler, ast.Name):
         values = [
             v
-            for n in ast.walk(script.tree)
+            for n in script.nodes
             for name, v in assigned_names(n)
             if name == sampler.id and v is not None
         ]
@@ -56,13 +56,13 @@ def tokenizer_collate(script: Script, call: ast.Call) -> bool:
     if isinstance(collate, ast.Name):
         values = [
             v
-            for n in ast.walk(script.tree)
+            for n in script.nodes
             for name, v in assigned_names(n)
             if name == collate.id and v is not None
         ]
         if any(isinstance(v, ast.Call) and "Collator" in callee(v) for v in values):
             return True
-        funcs = [n for n in ast.walk(script.tree) if isinstance(n, FUNCS) and n.name == collate.id]
+        funcs = [n for n in script.nodes if isinstance(n, FUNCS) and n.name == collate.id]
         returns = [r.value for f in funcs for r in walk_scope(f) if isinstance(r, ast.Return)]
         return bool(returns) and all(
             isinstance(v, ast.Call) and "tokenizer" in (dotted(receiver(v)) or "").lower()
@@ -77,7 +77,7 @@ def built_from(script: Script, dataset: ast.expr | None) -> ast.expr | None:
         return dataset
     values = [
         v
-        for n in ast.walk(script.tree)
+        for n in script.nodes
         for name, v in assigned_names(n)
         if name == dataset.id and v is not None
     ]
@@ -100,7 +100,7 @@ def resumes(script: Script) -> bool:
     """Whether the script can resume a run: a ``resume`` argument or name, Accelerate's
     ``load_state``, an optimizer's state loaded, or a model's from ``torch.load``."""
     loads = False
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             if "resume" in node.value.lower():
                 return True
@@ -239,7 +239,7 @@ def _moves_only_rebuilt(script: Script, loop: ast.For | ast.AsyncFor) -> bool:
 def _local_bindings(script: Script, scope: ast.AST) -> list[tuple[str, ast.expr | None]]:
     if isinstance(scope, ast.Module):
         return []
-    return [b for n in walk_scope(scope) for b in assigned_names(n)]
+    return script.scope_bindings(scope)
 
 
 def _iterated_by(script: Script, node: ast.AST) -> ast.For | ast.AsyncFor | None:
@@ -262,7 +262,7 @@ def in_memory_datasets(script: Script) -> set[str]:
     """Names bound to a TensorDataset, directly or returned by a function of the checked
     files (``train, val = make_datasets()``)."""
     names: set[str] = set()
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
             continue
         if callee(node.value) == "TensorDataset" or _returns_tensor_datasets(

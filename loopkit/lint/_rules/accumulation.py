@@ -186,7 +186,7 @@ def zero_grad(script: Script) -> Iterator[Hit]:
 def _resets_elsewhere(script: Script) -> bool:
     """True when gradients are reset without zero_grad: p.grad = None, loopkit's step."""
     loopkit_names = {"loopkit"}
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("loopkit"):
             loopkit_names.update(
                 a.asname or a.name for a in node.names if a.name in {"accumulate", "step"}
@@ -269,7 +269,7 @@ def zero_grad_every_micro_step(script: Script) -> Iterator[Hit]:
 )
 def loop_around_step(script: Script) -> Iterator[Hit]:
     accumulating: set[str] = set()
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         for name, value in assigned_names(node):
             if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] in {
                 "step",
@@ -283,7 +283,7 @@ def loop_around_step(script: Script) -> Iterator[Hit]:
                     accumulating.add(name)
     if not accumulating:
         return
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         if not isinstance(node, ast.With):
             continue
         names = {dotted(item.context_expr) for item in node.items}

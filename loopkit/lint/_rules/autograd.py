@@ -36,7 +36,7 @@ def eval_with_grad(script: Script) -> Iterator[Hit]:
             scope = script.scope_of(call)
             if isinstance(scope, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef):
                 evals.setdefault(scope, []).append(call)
-    covered = _called_with_grad_off(script.tree)
+    covered = _called_with_grad_off(script.nodes)
     yield from _eval_functions_with_grad(script, evals, covered)
     if not evals:
         return
@@ -73,7 +73,7 @@ def _eval_functions_with_grad(
     inside a loop (per epoch) and never under no_grad: each call records a graph per batch
     that nothing back-propagates. A caller that wraps the call in no_grad covers it, and a
     function nothing in the checked files calls is left alone (its caller may)."""
-    for func in ast.walk(script.tree):
+    for func in script.nodes:
         if not isinstance(func, FUNCS) or func in evals or func.name in covered:
             continue
         name = func.name.lower()
@@ -129,10 +129,10 @@ def _is_model_call(script: Script, call: ast.Call) -> bool:
     )
 
 
-def _called_with_grad_off(tree: ast.Module) -> set[str]:
+def _called_with_grad_off(nodes: list[ast.AST]) -> set[str]:
     """Names of the functions called under no_grad somewhere: they are covered there."""
     covered: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.With | ast.AsyncWith) and any(
             mentions_grad_off(i.context_expr) for i in node.items
         ):

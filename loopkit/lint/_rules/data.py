@@ -41,7 +41,7 @@ def loader_in_main_process(script: Script) -> Iterator[Hit]:
     loaders = list(_loaders(script))
     if not loaders:
         return
-    cuda = _targets_cuda(script.tree) or _used_by_a_cuda_script(script)
+    cuda = _targets_cuda(script.nodes) or _used_by_a_cuda_script(script)
     in_memory = in_memory_datasets(script)
     for call in loaders:
         # A cost per step needs a loader read per step. Not one only previewed (next(iter())
@@ -138,9 +138,9 @@ def _loaders(script: Script) -> Iterator[ast.Call]:
             yield call
 
 
-def _targets_cuda(tree: ast.Module) -> bool:
+def _targets_cuda(nodes: list[ast.AST]) -> bool:
     """True when the script mentions CUDA anywhere (only then does pinning pay off)."""
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             if "cuda" in node.value:
                 return True
@@ -163,7 +163,7 @@ def _used_by_a_cuda_script(script: Script) -> bool:
     if project is None:
         return False
     for other in project.scripts:
-        if other is script or not _targets_cuda(other.tree):
+        if other is script or not _targets_cuda(other.nodes):
             continue
         for call in other.calls:
             target = project.resolve(other, call)

@@ -56,7 +56,7 @@ def _compiled_value(call: ast.Call, bare_compile: bool) -> ast.AST | None:
 
 def _imports(script: Script, module: str, name: str) -> bool:
     """Whether the script has ``from module import name``."""
-    found = [n for n in ast.walk(script.tree) if isinstance(n, ast.ImportFrom)]
+    found = script.import_froms
     return any(n.module == module and any(a.name == name for a in n.names) for n in found)
 
 
@@ -131,7 +131,7 @@ def _bindings(stmt: ast.stmt) -> list[tuple[str, ast.expr | None]]:
 )
 def compile_around_wrapper(script: Script) -> Iterator[Hit]:
     scopes: list[ast.AST] = [script.tree]
-    scopes += [n for n in ast.walk(script.tree)
+    scopes += [n for n in script.nodes
                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]  # fmt: skip
     for scope in scopes:
         flow = _Flow(script)

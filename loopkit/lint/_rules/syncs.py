@@ -200,7 +200,7 @@ def sync_per_eval_batch(script: Script) -> Iterator[Hit]:
         what = "float(...)" if is_float else f"{dotted(call.func)}(...)" if adds else f".{name}()"
         yield call, f"`{what}` per batch in an evaluation loop"
     # assert (pred >= 0).all(): Python takes the truth of a device tensor, per batch.
-    for node in ast.walk(script.tree):
+    for node in script.nodes:
         test = node.test if isinstance(node, ast.Assert) else None
         if test is not None and tensor_truth(test) and eval_batch_loop(script, node) is not None:
             yield node, f"`assert {ast.unparse(test)[:40]}` per batch in an evaluation loop"
