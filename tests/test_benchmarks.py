@@ -77,6 +77,11 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
         # The goals' columns (measured, not bounded here): each on its own row.
         assert ("ratio_to_hand_clipped" in r) == (r["contender"] == "loopkit.step, clipped")
         assert ("log_us" in r) == (r["contender"] == "loopkit.step + iterate + log")
+        # The goals' ratios from runs in turns of 200 micro-steps (paired()): blocks counted.
+        paired = r["contender"] in ("loopkit.step", "loopkit.step, clipped", "loopkit, full stack")
+        assert ("paired" in r) == paired
+        if paired:
+            assert r["paired"] > 0 and r["paired_blocks"] >= 3
         if "log_us" in r:
             assert r["log_us"] > 0
         if r["contender"] == "hand-written":

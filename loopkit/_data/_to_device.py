@@ -38,7 +38,9 @@ _UINT8_SCALE = 1.0 / 255.0
 class Mover:
     """One configured transfer: built once, applied to every batch."""
 
-    __slots__ = ("_as_is", "channels_last", "device", "mean", "non_blocking", "std", "uint8_dtype")
+    __slots__ = (
+        "_as_is", "_cpu", "channels_last", "device", "mean", "non_blocking", "std", "uint8_dtype",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -83,6 +85,7 @@ class Mover:
         self.channels_last = channels_last
         # Nothing to convert: a tensor already on the device is handed out as it is.
         self._as_is = uint8_to is None and not channels_last
+        self._cpu = self.device.type == "cpu"
 
     def _channel_stats(
         self, normalize: object, dtype: torch.dtype | None
@@ -108,7 +111,8 @@ class Mover:
         )
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if self._as_is and t.device == self.device:  # per tensor per batch: no .to() call
+        # Per tensor per batch: no .to() call (and on a CPU step, no device object made).
+        if self._as_is and (t.is_cpu if self._cpu else t.device == self.device):
             return t
         nb = self.non_blocking
         if nb is None:
@@ -134,6 +138,14 @@ class Mover:
                 out = out.contiguous(memory_format=torch.channels_last_3d)
         return out
 
+    def _there(self, items: tuple[object, ...] | list[object]) -> bool:
+        """Whether every item is a plain tensor already on the device."""
+        cpu, device = self._cpu, self.device
+        for v in items:  # a loop, not all(...): batches hold two or three tensors
+            if type(v) is not torch.Tensor or not (v.is_cpu if cpu else v.device == device):
+                return False
+        return True
+
     def move(self, batch: T) -> T:
         """``batch`` with every tensor moved, as its own type."""
         # cast: __call__ rebuilds each container as its own type, which its branches' types
@@ -144,6 +156,11 @@ class Mover:
     def __call__(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj)
+        kind = type(obj)
+        if (kind is tuple or kind is list) and self._as_is and self._there(obj):  # type: ignore[arg-type]
+            # Per batch, the usual case on a CPU step (or a loader already on the device):
+            # nothing to move, so no walk; a list is still handed out as a copy.
+            return obj if kind is tuple else list(obj)  # type: ignore[call-overload]
         if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
             return obj
         if isinstance(obj, Mapping):

@@ -10,7 +10,7 @@ ranks (through ``_ranks`` and ``_parallel._grad_sync``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from ._weighting import Weighting
 from ._window import Window
 
 T = TypeVar("T")
+_Move = Callable[[Any], Any] | None  # what moves a step's batch as iterate takes it
 
 
 def _check_binding(model: object, optimizer: object, every: object, amp: object = None) -> str:
@@ -288,14 +289,14 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         """
         return self._iterate_from(iterable, iterable)
 
-    def _iterate_from(self, source: object, items: Iterable[T]) -> Iterator[T]:
-        """``iterate`` over ``items`` taken from ``source`` (a step moves them on the way)."""
+    def _iterate_from(self, source: object, items: Iterable[T], move: _Move = None) -> Iterator[T]:
+        """``iterate`` over ``items`` from ``source``, each moved by ``move`` as it is taken."""
         if self._inside:
             raise RuntimeError(
                 "iterate() inside `with acc:`: loop over acc.iterate(loader) and enter the "
                 "micro-step inside the loop"
             )
-        return _marking_last(self, source, items)
+        return _marking_last(self, source, items, move)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -367,7 +368,7 @@ def _close_window(acc: accumulate) -> bool:
         acc._reach = None if window.n_backward else acc._reach  # checked: first window
 
 
-def _marking_last(acc: accumulate, source: object, items: Iterable[T]) -> Iterator[T]:
+def _marking_last(acc: accumulate, source: object, items: Iterable[T], move: _Move) -> Iterator[T]:
     """acc.iterate's generator: close a left-over window, mark the pass's last item
     (``_last_batch``: looked ahead or counted), close a window the items left open."""
     window = acc._window
@@ -380,7 +381,7 @@ def _marking_last(acc: accumulate, source: object, items: Iterable[T]) -> Iterat
             acc.flush()
     acc.iterating += 1
     try:
-        for item, last in _last_batch.marked(acc, source, items):
+        for item, last in _last_batch.marked(acc, source, items, move):
             if last:  # (an FSDP left-over mark above stays for the first micro-step)
                 acc._final_pending = True
             yield item

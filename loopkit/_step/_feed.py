@@ -154,16 +154,23 @@ def iterate(
     # Before anything below starts the pass (a generator's iter()): its place is still known.
     total = total_updates(step.accumulator, iterable, step.accumulator.every) if progress else None
     # A distributed.loader's pass started here is training's from its start (``_passes``).
-    if doc is None:
-        moved: Iterable[T] = (mover(b) for b in training_iter(iterable))
+    started = training_iter(iterable)
+    if doc is not None and doc.loader is None:
+        doc.loader = iterable  # what the doctor's tips read: the loader, not its pass
+    batches: Iterable[T]
+    if step.chunks.size is None and doc is None:
+        # Each batch moved as the look-ahead takes it: no generator of its own per batch.
+        batches = step.accumulator._iterate_from(iterable, started, mover)
     else:
-        if doc.loader is None:
-            doc.loader = iterable  # what the doctor's tips read: the loader, not its pass
-        moved = _timed_moves(doc, doc.iterate(training_iter(iterable)), mover)
-    if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
-        batches: Iterable[T] = _micro_batch.iterate(step, iterable, moved)
-    else:
-        batches = step.accumulator._iterate_from(iterable, moved)
+        moved = (
+            (mover(b) for b in started)
+            if doc is None
+            else _timed_moves(doc, doc.iterate(started), mover)
+        )
+        if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
+            batches = _micro_batch.iterate(step, iterable, moved)
+        else:
+            batches = step.accumulator._iterate_from(iterable, moved)
     display = None
     if progress and _ranks.world()[0] == 0:
         log = step.log

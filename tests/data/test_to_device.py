@@ -277,3 +277,35 @@ def test_uncopyable_mapping_is_refused_and_unchanged() -> None:
     with pytest.raises(TypeError, match="cannot copy a _Uncopyable"):
         loopkit.to_device(batch, "meta")
     assert batch["x"] is t
+
+
+def test_a_batch_already_on_the_device_is_handed_out_without_a_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU step a tuple or list of plain CPU tensors is not walked (no per-tensor call,
+    the tuple itself, the list as a copy); anything else in it is walked as before, and a
+    conversion asked for (uint8_to) still converts."""
+    from loopkit._data._to_device import Mover
+
+    walked: list[torch.Tensor] = []
+    real = Mover.tensor
+    monkeypatch.setattr(Mover, "tensor", lambda self, t: walked.append(t) or real(self, t))
+    mover = Mover("cpu", None, None, None, False)
+    x, y = torch.ones(2), torch.zeros(2)
+    pair = (x, y)
+    assert mover(pair) is pair and not walked
+    listed = [x, y]
+    out = mover(listed)
+    assert out == [x, y] and out is not listed and out[0] is x and not walked
+    # A non-tensor, a tensor subclass or a nested container: the walk, with the same result.
+    mixed = (x, "name")
+    assert mover(mixed) == (x, "name") and walked == [x]
+    walked.clear()
+    param = torch.nn.Parameter(torch.ones(1))
+    assert mover((param,))[0] is param and walked == [param]
+    walked.clear()
+    assert mover(Pair(x, y)) == Pair(x, y) and walked == [x, y]
+    converting = Mover("cpu", None, torch.float32, None, False)
+    image = torch.full((1, 2, 2), 255, dtype=torch.uint8)
+    got = converting((image, y))
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], torch.ones(1, 2, 2))

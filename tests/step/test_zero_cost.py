@@ -300,3 +300,36 @@ def test_a_backward_under_no_grad_fails_as_the_divided_loss_does() -> None:
     with step as s:
         s.backward(nn.functional.mse_loss(model(x), y))
     assert step.updates == 1
+
+
+def test_iterate_hands_a_batch_out_in_few_python_calls() -> None:
+    """``step.iterate`` over a list of (x, y) CPU batches on a CPU step: the Python calls made
+    between the loop asking for a batch and getting it, counted with a profile hook (30 per
+    batch before its mover was given to the look-ahead and a batch already on the device
+    stopped being walked; 17 after). The batches come out moved and in order."""
+    import sys
+
+    model = nn.Linear(4, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    batches = [(torch.randn(3, 4), torch.randn(3, 1)) for _ in range(8)]
+    it = step.iterate(batches)
+    calls: list[int] = []
+    got = []
+    for _ in range(len(batches)):
+        seen = [0]
+
+        def count(frame: Any, event: str, arg: Any, seen: list[int] = seen) -> None:
+            seen[0] += event in ("call", "c_call")
+
+        sys.setprofile(count)
+        try:
+            batch = next(it)
+        finally:
+            sys.setprofile(None)
+        calls.append(seen[0])
+        got.append(batch)
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(batch[0]), batch[1]))
+    assert [b[0] for b in got] == [b[0] for b in batches]
+    # The first batch starts the pass (and looks ahead); the others are the per-batch cost.
+    assert max(calls[1:]) <= 20, calls
