@@ -136,8 +136,12 @@ def _marked(
     # would hold): its length is taken as it is (torch warns when it is not kept).
     trusted = isinstance(source, DataLoader) and isinstance(source.dataset, IterableDataset)
     for i, item in enumerate(it, start=1):  # taken when the loop asks, as a plain loop does
+        # Moved as soon as it is taken, before anything is taken after it: a loader that
+        # refills one batch object in place changes it at the next take.
+        if move is not None:
+            item = move(item)
         if i < n or (trusted and i == n):
-            yield (item if move is None else move(item)), i == n
+            yield item, i == n
             continue
         # The loader's place after the counted last, before the check takes it further.
         state = track.take() if track is not None else None
@@ -146,18 +150,21 @@ def _marked(
         except StopIteration:
             if track is not None:
                 track.hold(state)
-            yield (item if move is None else move(item)), True
+            yield item, True
             return
+        if move is not None:  # (moved on taking it, as every batch is)
+            following = move(following)
+            it = map(move, it)
         # The length was not kept: more batches come, looked ahead from here.
         holder.lookahead = 1
         if track is not None:
             track.hold(state)
-        yield (item if move is None else move(item)), False
+        yield item, False
         rest = itertools.chain([following], it)
         yield from (
-            _ahead(holder, rest, move)
+            _ahead(holder, rest, None)
             if track is None
-            else _ahead_tracked(holder, rest, move, track)
+            else _ahead_tracked(holder, rest, None, track)
         )
         return
 

@@ -226,3 +226,52 @@ def test_a_length_shorter_than_the_batches_keeps_the_hand_loops_windows() -> Non
                 s.backward(nn.functional.mse_loss(model(x), y))
             after.append(step.updates)
     assert after == [0, 0, 1, 1, 1, 2, 2, 2, 3, 4]  # the last window (1 batch) ragged
+
+
+class _Refilled:
+    """A loader with a length that hands out ONE list, refilled in place for each batch and
+    emptied when its pass ends (a reused buffer); ``length`` may say fewer than it yields."""
+
+    def __init__(self, length: int, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        self.length, self.xs, self.ys = length, xs, ys
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        buf: list[torch.Tensor] = []
+        for i in range(len(self.xs)):
+            buf[:] = [self.xs[i : i + 1], self.ys[i : i + 1]]
+            yield buf
+        buf.clear()
+
+
+@pytest.mark.parametrize("length", [4, 3])
+@pytest.mark.parametrize("group", [False, True], ids=["step", "steps"])
+def test_a_batch_is_moved_as_it_is_taken_before_the_next_take(length: int, group: bool) -> None:
+    """A counted pass takes the batch after the counted last before handing that one out (to
+    know whether the length was kept): each batch is moved when taken, so a loader that
+    refills one list in place hands out its own batches, not the next one's or an emptied
+    list (as step.iterate did for a moment; loopkit.steps before that). The weights are
+    those of the same batches as fresh lists."""
+    xs, ys = torch.arange(8.0).view(4, 2), torch.arange(4.0).view(4, 1)
+
+    def train(source: Any) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.01), accumulate=2)
+        looped = loopkit.steps(step).iterate(source) if group else step.iterate(source)
+        seen = []
+        for x, y in looped:
+            seen.append(float(y))
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+        return seen, model.weight.detach().clone()
+
+    fresh = [(xs[i : i + 1], ys[i : i + 1]) for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a length not kept may be warned about
+        seen, weights = train(_Refilled(length, xs, ys))
+    want_seen, want_weights = train(fresh)
+    assert seen == want_seen == [0.0, 1.0, 2.0, 3.0]
+    assert torch.equal(weights, want_weights)
