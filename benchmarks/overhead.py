@@ -424,6 +424,7 @@ def check_parity(model_name: str, prec: str, clip: float | None) -> None:
                 )
 
 
+CORE = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
 CLOCK = time.thread_time  # a block's CPU time in its own thread: another process's not in it
 BLOCK = 200  # batches a paired contender runs before handing the CPU to the other (--paired)
 
@@ -491,6 +492,10 @@ def paired(
                 began[0] = CLOCK()
 
             turn[who].acquire()
+            if hasattr(os, "sched_setaffinity"):
+                # Both runs on one core: a run per core measured its core, not its code (a
+                # hand loop against itself came out 0.96 across two cores, 1.00 on one).
+                os.sched_setaffinity(0, {CORE})
             model = build(model_name)
             try:
                 CONTENDERS[who](model, Paced(data, pacer), steps, prec, clip)
