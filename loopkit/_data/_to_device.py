@@ -156,11 +156,10 @@ class Mover:
     def __call__(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj)
-        kind = type(obj)
-        if (kind is tuple or kind is list) and self._as_is and self._there(obj):  # type: ignore[arg-type]
+        if (type(obj) is tuple or type(obj) is list) and self._as_is and self._there(obj):
             # Per batch, the usual case on a CPU step (or a loader already on the device):
             # nothing to move, so no walk; a list is still handed out as a copy.
-            return obj if kind is tuple else list(obj)  # type: ignore[call-overload]
+            return obj if type(obj) is tuple else list(obj)
         if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
             return obj
         if isinstance(obj, Mapping):

@@ -8,6 +8,7 @@ continues the same axes.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -155,22 +156,17 @@ def iterate(
     total = total_updates(step.accumulator, iterable, step.accumulator.every) if progress else None
     # A distributed.loader's pass started here is training's from its start (``_passes``).
     started = training_iter(iterable)
-    if doc is not None and doc.loader is None:
-        doc.loader = iterable  # what the doctor's tips read: the loader, not its pass
-    batches: Iterable[T]
-    if step.chunks.size is None and doc is None:
-        # Each batch moved as the look-ahead takes it: no generator of its own per batch.
-        batches = step.accumulator._iterate_from(iterable, started, mover)
+    if doc is None:
+        taken, move = started, mover
     else:
-        moved = (
-            (mover(b) for b in started)
-            if doc is None
-            else _timed_moves(doc, doc.iterate(started), mover)
-        )
-        if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
-            batches = _micro_batch.iterate(step, iterable, moved)
-        else:
-            batches = step.accumulator._iterate_from(iterable, moved)
+        if doc.loader is None:
+            doc.loader = iterable  # what the doctor's tips read: the loader, not its pass
+        taken, move = doc.iterate(started), functools.partial(_timed_move, doc, mover)
+    batches: Iterable[T]
+    if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
+        batches = _micro_batch.iterate(step, iterable, map(move, taken))
+    else:  # each batch moved as the look-ahead takes it
+        batches = step.accumulator._iterate_from(iterable, taken, move)
     display = None
     if progress and _ranks.world()[0] == 0:
         log = step.log
@@ -184,8 +180,6 @@ def iterate(
     return counted(batches, iterable, step.seen, tokens, display, step.doctor)
 
 
-def _timed_moves(doc: Any, batches: Iterable[T], mover: Callable[[T], T]) -> Iterator[T]:
-    for b in batches:
-        with doc.phase("h2d"):
-            moved = mover(b)
-        yield moved
+def _timed_move(doc: Any, mover: Callable[[T], T], batch: T) -> T:
+    with doc.phase("h2d"):
+        return mover(batch)
