@@ -3,11 +3,18 @@
 A step's bookkeeping (its counters, autocast entered in one call and left in another, the
 guards that read the caller's frame) cannot live in a graph: traced, autocast's state to
 restore would be entered inside a graph and left outside it, and every counter change
-would be a guard and a recompile. Each entry point asks ``compiling()`` (dynamo's
-``is_dynamo_compiling``, which dynamo folds to True while tracing: in an eager loop one call
-that returns False, without ``torch.compiler.is_compiling``'s TorchScript check) and, while
-traced, runs itself through ``eagerly``, a graph break; only the user's code between them
-(the forward) compiles.
+would be a guard and a recompile. Each entry point asks
+``torch.compiler.is_dynamo_compiling()`` (which dynamo folds to True while tracing: in an
+eager loop one call that returns False, without ``torch.compiler.is_compiling``'s TorchScript
+check) and, while traced, runs itself through ``eagerly``, a graph break; only the user's code
+between them (the forward) compiles.
+
+The entry points call it through its attribute path, written out where they ask (not through
+a helper: that would be one more Python call per ask, three to five per micro-step): dynamo
+folds the call to True only when it sees that path; a module-level alias of the same function
+is traced as an ordinary call that returns False (then ``autocast`` entered in a graph is left
+outside it: shared/repros/edges3/r3_16). ``tests/compile/test_compiled_micro_step.py`` checks
+every entry point traced so.
 """
 
 from __future__ import annotations
@@ -22,16 +29,6 @@ from typing_extensions import Self
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def compiling() -> bool:
-    """Whether dynamo is tracing the caller (False in eager code).
-
-    Called through ``torch.compiler`` each time: dynamo folds the call to True only when it
-    sees the attribute path; a module-level alias of the same function is traced as an
-    ordinary call that returns False (then ``autocast`` entered in a graph is left outside
-    it: shared/repros/edges3/r3_16)."""
-    return torch.compiler.is_dynamo_compiling()
 
 
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +61,9 @@ class EagerUnderCompile(abc.ABC):
         """What ``__exit__`` does."""
 
     def __enter__(self) -> Self:
-        return eagerly(self._enter) if compiling() else self._enter()
+        if torch.compiler.is_dynamo_compiling():  # traced: run eagerly (module docstring)
+            return eagerly(self._enter)
+        return self._enter()
 
     def __exit__(
         self,
@@ -72,7 +71,7 @@ class EagerUnderCompile(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        if compiling():
+        if torch.compiler.is_dynamo_compiling():
             return eagerly(self._exit, exc_type, exc, tb)
         return self._exit(exc_type, exc, tb)
 

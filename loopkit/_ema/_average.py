@@ -29,7 +29,7 @@ from .._errors import CheckpointError
 from .._parallel._grad_sync import plain_key, reshard, sync_kind, unwrap
 from . import _export
 from ._decay import check_settings, decay_at
-from ._tensors import _as_param, _local
+from ._tensors import _as_param, _local, registered
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -82,7 +82,9 @@ class ema:
         # block is compiled or not (the first raw name finds the parameter again).
         self._names = [plain_key(n) for n, _ in named]
         self._first = named[0][0]
-        self._params = [p for _, p in named]
+        self._params: list[torch.Tensor] = [p for _, p in named]
+        # No DTensor (FSDP2) among them: each is its own local tensor (no to_local per update).
+        self._plain = not any(callable(getattr(p, "to_local", None)) for p in self._params)
         self._buffer_names = [plain_key(n) for n, _ in module.named_buffers()]
         self._buffers = [b for _, b in module.named_buffers()]
         with torch.no_grad():
@@ -96,7 +98,7 @@ class ema:
         # The steps given it (weakly: a step rebuilt for a phase takes it on, the old one
         # goes), and the parameters' versions as a step last counted an update.
         self._steps: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._counted_at: dict[int, int] | None = None  # each optimizer's steps then
+        self._counted_at: int | None = None  # the process's optimizer steps then
         self._told = False  # the "never averaged" warning is given once
 
     # -- updating ------------------------------------------------------------------------------
@@ -116,13 +118,12 @@ class ema:
         """``step`` counts each of its real updates here (``ema=``; several steps may, one
         after the other: a run's phases, each its own step)."""
         self._steps.add(step)
-        self._counted_at = _optimizer_steps()  # these weights are counted already
+        self._counted_at = _optimizer_steps()  # these weights are counted already (hooked)
 
     def advance(self) -> bool:
         """One real optimizer update happened (what a step given this ema calls)."""
         self._check_model()
-        if self._steps:
-            self._counted_at = _optimizer_steps()
+        self._counted_at = _TOTAL[0]  # these weights are counted (read once a step hooked it)
         self.seen += 1
         if self.seen % self.every:
             return False
@@ -148,12 +149,12 @@ class ema:
     def _check_model(self) -> None:
         """Refuse to average tensors the model no longer trains (checked on one: O(1))."""
         first = self._params[0]
-        if self._module.get_parameter(self._first) is not first:
+        if registered(self._module, self._first) is not first:
             raise RuntimeError(
                 "the model's parameters were replaced after its ema was built (a to() that "
                 "makes new ones, load_state_dict(assign=True)): build the ema afterwards"
             )
-        here, kept = _local(first).device, self.shadow[0].device
+        here, kept = (first if self._plain else _local(first)).device, self.shadow[0].device
         if here != kept:
             raise RuntimeError(
                 f"the model is on {here} but its ema was built on {kept}: build the ema "
@@ -165,7 +166,7 @@ class ema:
         """shadow += weight * (param - shadow), one foreach kernel per dtype; buffers copied.
 
         ``weight`` is a Python float: a kernel argument, no host-device sync."""
-        params = [_local(p) for p in self._params]
+        params = self._params if self._plain else [_local(p) for p in self._params]
         full = [i for i, p in enumerate(params) if p.dtype == torch.float32]
         if len(full) == len(params):
             torch._foreach_lerp_(self.shadow, params, weight)
@@ -338,28 +339,31 @@ def _check_saved(self: ema, state: object) -> None:
                 )
 
 
-# Optimizer steps taken in this process, by optimizer (weakly), counted once an ema is given
-# to a step: an update() right after a step counted one, with no step since of an optimizer
-# holding the ema's parameters, counts the same weights twice.
+# Optimizer steps taken in this process, counted by one global step hook added once an ema
+# is given to a step, and the number of each optimizer's last step (weakly): an update()
+# right after a step counted one, with no step since of an optimizer holding the ema's
+# parameters, counts the same weights twice.
+_TOTAL = [0]
 _STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _HOOKED: list[object] = []
 
 
-def _optimizer_steps() -> dict[int, int]:
-    """Each optimizer's steps so far (by id; fused ones included), counted by one global
-    step hook, added when first needed."""
+def _optimizer_steps() -> int:
+    """Optimizer steps so far (fused ones included), the hook added when first needed."""
     if not _HOOKED:
         _HOOKED.append(register_optimizer_step_post_hook(_count_optimizer_step))
-    return {id(opt): n for opt, n in _STEPS.items()}
+    return _TOTAL[0]
 
 
 def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    _STEPS[optimizer] = _STEPS.get(optimizer, 0) + 1
+    _TOTAL[0] += 1
+    _STEPS[optimizer] = _TOTAL[0]
 
 
-def _stepped_since(counted: dict[int, int] | None, params: Sequence[torch.Tensor]) -> bool:
-    """Whether an optimizer holding any of ``params`` stepped since the ``counted`` steps."""
-    before, now = counted or {}, _optimizer_steps()
-    moved = [o for o in list(_STEPS) if now.get(id(o)) != before.get(id(o))]
+def _stepped_since(counted: int | None, params: Sequence[torch.Tensor]) -> bool:
+    """Whether an optimizer holding any of ``params`` stepped after step number ``counted``
+    (None: ever)."""
+    before = counted or 0
+    moved = [o for o, last in list(_STEPS.items()) if last > before]
     mine = {id(p) for p in params}
     return any(id(p) in mine for o in moved for g in o.param_groups for p in g["params"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -21,3 +22,15 @@ def _as_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local, mesh, param.placements, run_check=False,  # type: ignore[attr-defined]
                               shape=param.shape, stride=param.stride())  # fmt: skip
+
+
+def registered(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.get_parameter(name)``, read from the registries (no Python call per level:
+    it runs at every update); a name a wrapper forwards (a block compiled or checkpoint-wrapped
+    after the ema was built) is looked up by ``get_parameter`` itself, as are its errors."""
+    *owners, leaf = name.split(".")
+    found: nn.Module | None = module
+    for owner in owners:
+        found = found._modules.get(owner) if found is not None else None
+    param = None if found is None else found._parameters.get(leaf)
+    return param if param is not None else module.get_parameter(name)

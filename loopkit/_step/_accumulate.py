@@ -23,7 +23,7 @@ from .._ema import _average
 from .._parallel._fsdp_options import check_precision
 from .._parallel._grad_sync import sync_kind, unwrap
 from .._precision import autocast_step
-from .._tracing import EagerUnderCompile, compiling, eagerly
+from .._tracing import EagerUnderCompile, eagerly
 from .._types import Weight
 from . import _last_batch, _misuse, _open_steps, _source
 from ._cross_rank import end_of_window
@@ -36,6 +36,12 @@ from ._window import Window
 
 T = TypeVar("T")
 _Move = Callable[[Any], Any] | None  # what moves a step's batch as iterate takes it
+_NESTED = (
+    "accumulate is already inside a micro-step: enter `with acc:` once per micro-batch, not nested"
+)
+_OUTSIDE = (
+    "acc.backward(loss) must be called inside `with acc:` (it belongs to that micro-step's window)"
+)
 
 
 def _check_binding(model: object, optimizer: object, every: object, amp: object = None) -> str:
@@ -186,13 +192,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     # -- the micro-step ---------------------------------------------------------------------
 
     def _enter(self) -> accumulate:
-        if self._inside:
-            raise RuntimeError(
-                "accumulate is already inside a micro-step: enter `with acc:` once per "
-                "micro-batch, not nested"
-            )
-        if self._closed_by_group is not None:
-            raise RuntimeError(self._closed_by_group)
+        if self._inside or self._closed_by_group is not None:
+            raise RuntimeError(_NESTED if self._inside else self._closed_by_group)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
         ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
@@ -200,7 +201,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             # A window opens: foreign gradients (another model's backward through this one,
             # code outside the step) and the last update's (a lazy grad_norm's) go.
             window.cleared_foreign, self._progress.norm_source = self._params.clear_grads(), None
-        self._sync.enter(ending)
+        if self._kind != "none":  # (without a wrapper nothing to turn off: no call)
+            self._sync.enter(ending)
         self._final_pending = False  # the mark is for this one micro-step only
         self._ending = ending
         self._inside = True
@@ -216,16 +218,13 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         in proportion, as in one batch holding all of them. Several calls in one micro-step
         add up to its contribution; ``weight=`` goes with the first. ``inputs=``/
         ``retain_graph=`` go to autograd."""
-        if compiling():  # run eagerly: _tracing
+        if torch.compiler.is_dynamo_compiling():  # run eagerly: _tracing
             return eagerly(self._backward, loss, weight, **autograd)
         return self._backward(loss, weight, **autograd)
 
     def _backward(self, loss: torch.Tensor, weight: Weight | None, **autograd: Any) -> None:
         if not self._inside:
-            raise RuntimeError(
-                "acc.backward(loss) must be called inside `with acc:` (it belongs to that "
-                "micro-step's window)"
-            )
+            raise RuntimeError(_OUTSIDE)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         window, first = self._window, not self._did_backward
@@ -258,11 +257,14 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             self._guard.raised()
             self._window.failed += 1
         try:
-            self._sync.exit(exc_type, exc, tb)
+            if self._sync.entered:
+                self._sync.exit(exc_type, exc, tb)
         finally:
             self._inside = False
             _open_steps.close(self)
-        if exc_type is None and (self._ending or _trained_from_outside(self)):
+        if exc_type is None and (
+            self._ending or (not self._did_backward and _trained_from_outside(self))
+        ):
             try:
                 _close_window(self)
             except BaseException:

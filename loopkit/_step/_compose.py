@@ -25,7 +25,7 @@ from .._logging import _detach
 from .._observe import _doctor
 from .._parallel._grad_sync import unwrap
 from .._precision import autocast_step
-from .._tracing import EagerUnderCompile, compiling, eagerly
+from .._tracing import EagerUnderCompile, eagerly
 from .._types import DeviceLike, PrecisionLike, Weight
 from . import _accumulate, _feed, _micro_batch
 from ._frozen import Frozen
@@ -44,22 +44,30 @@ def _deprecated_accumulate(self: step) -> _accumulate.accumulate:
     return self.accumulator
 
 
-def _check_accumulate(accumulate: object) -> None:
-    """Refuse a bad ``accumulate=``, named as the user wrote it (accumulate says ``every``)."""
+def _check_arguments(
+    model: object, accumulate: object, micro_batch: int | None, doctor: object
+) -> _micro_batch.Chunks:
+    """Refuse a bad model, ``accumulate=`` (named as the user wrote it: accumulate says
+    ``every``), ``micro_batch=`` or ``doctor=``, in that order; the chunks of ``micro_batch``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not is_int_at_least(accumulate, 1):
         raise ValueError(
             f"accumulate= must be an int >= 1 (micro-batches per optimizer update), got "
             f"{accumulate!r}"
         )
+    chunks = _micro_batch.Chunks(micro_batch)  # checks micro_batch=
+    if doctor is not None and not isinstance(doctor, _doctor.doctor):
+        raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
+    return chunks
 
 
-def _refuse_outside(acc: _accumulate.accumulate) -> None:
+def _refuse_outside() -> None:
     """``s.backward`` outside ``with step as s:``, said in the step's terms."""
-    if not acc._inside:
-        raise RuntimeError(
-            "s.backward(loss) must be called inside `with step as s:` (it belongs to that "
-            "micro-step's window): indent it under the with block"
-        )
+    raise RuntimeError(
+        "s.backward(loss) must be called inside `with step as s:` (it belongs to that "
+        "micro-step's window): indent it under the with block"
+    )
 
 
 class step(EagerUnderCompile, contextlib.ContextDecorator):
@@ -107,12 +115,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         measure_grad_norm: bool = False,
     ) -> None:
         # Everything is checked before anything is built or bound.
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        _check_accumulate(accumulate)
-        chunks = _micro_batch.Chunks(micro_batch)  # checks micro_batch=
-        if doctor is not None and not isinstance(doctor, _doctor.doctor):
-            raise TypeError(f"doctor must be a loopkit.doctor(), got {type(doctor).__name__}")
+        chunks = _check_arguments(model, accumulate, micro_batch, doctor)
         self._frozen = Frozen(frozen, optimizer)
         self.device: torch.device = _target_device(model, device)
         self.amp = autocast_step(precision, device_type=self.device.type)
@@ -132,8 +135,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         self.doctor = doctor
         if doctor is not None:
             doctor.attach(model, optimizer, precision=self.amp.precision, device=self.device)
-        self.model = model
-        self.optimizer = optimizer
+        self.model, self.optimizer = model, optimizer
         if self.log is not None and self.log.clock is None:
             self.log.clock = self  # its sinks plot against this step's updates
         self._autocast_on = self.amp.precision != "fp32"
@@ -152,39 +154,44 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         # 2. accumulate: the micro-step opens (a window's first clears the gradients); a
         #    non-final one enters no_sync before the forward, where DDP decides to all-reduce.
         try:
-            self.chunks.check_entry()  # a GAN member with micro_batch= needs step.split
+            if self.chunks.share is not None or self.chunks.by_member:  # else nothing to check
+                self.chunks.check_entry()  # a GAN member with micro_batch= needs step.split
             # Its own _enter/_backward/_exit: this step's entry points already ran eagerly
-            # (_tracing), so the accumulator's need not ask again.
+            # (_tracing), so the accumulator's (and autocast_step's) need not ask again.
             self.accumulator._enter()
         except BaseException as err:
             if doc is not None:  # nothing of this micro-step stays entered
                 doc.__exit__(type(err), err, err.__traceback__)
             raise
         # 3. frozen modules: no gradient, no all-reduce, until the micro-step ends.
-        self._frozen.freeze()
+        if self._frozen.params:
+            self._frozen.freeze()
         # 4. autocast_step: the forward runs under autocast (not entered for fp32).
         if self._autocast_on:
-            self.amp.__enter__()
+            self.amp._enter()
             self._in_autocast = True
         return self
 
     def backward(self, loss: torch.Tensor, weight: Weight | None = None, **autograd: Any) -> None:
         """Leave autocast and back-propagate ``loss`` for this micro-step (see accumulate);
         several calls add up, ``inputs=``/``retain_graph=`` go to autograd."""
-        if compiling():  # run eagerly: _tracing
+        if torch.compiler.is_dynamo_compiling():  # run eagerly: _tracing
             return eagerly(self._backward, loss, weight, **autograd)
         return self._backward(loss, weight, **autograd)
 
     def _backward(self, loss: torch.Tensor, weight: Weight | None, **autograd: Any) -> None:
         acc = self.accumulator
-        _refuse_outside(acc)
+        if not acc._inside:
+            _refuse_outside()
         # 5. autocast ends before backward, as torch recommends (backward ops take the
         #    dtypes the forward chose); accumulate scales the loss for the window and fp16.
         if self._in_autocast:
             self._in_autocast = False
-            self.amp.__exit__(None, None, None)
+            self.amp._exit(None, None, None)
         self._weight = self._weight if acc._did_backward else weight  # its record's
-        acc._backward(loss, _feed.chunk_weight(self, weight), **autograd)
+        if self.chunks.share is not None:  # a chunk's share of its batch
+            weight = _feed.chunk_weight(self, weight)
+        acc._backward(loss, weight, **autograd)
         if self.log is not None:
             detached = loss.detach()
             self._loss = detached if self._loss is None else self._loss + detached
@@ -212,11 +219,12 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
                 # 6. autocast_step exits if backward did not already leave it.
                 if self._in_autocast:
                     self._in_autocast = False
-                    self.amp.__exit__(exc_type, exc, tb)
+                    self.amp._exit(exc_type, exc, tb)
             finally:
                 # 7. frozen modules get their requires_grad and gradient sync back.
                 try:
-                    self._frozen.thaw()
+                    if self._frozen.params:
+                        self._frozen.thaw()
                 finally:
                     # 8. accumulate closes the micro-step; on a window's last, the update.
                     if doc is None:
@@ -248,8 +256,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         looks one batch ahead (the next copy starts while this one computes) and counts
         each batch handed out (``step.seen``; ``tokens=`` a host-side count per batch).
         ``progress=True`` (or ``"plain"``) shows updates of the total, the epoch, samples/s
-        or tokens/s, an ETA and the last flushed metrics on rank zero, with no host sync.
-        """
+        or tokens/s, an ETA and the last flushed metrics on rank zero, with no host sync."""
         return _feed.iterate(self, iterable, progress, tokens)
 
     def split(self, batch: T) -> Iterator[T]:

@@ -27,15 +27,6 @@ _intercepted = torch._C._has_torch_function_unary
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-def _backward_from(loss: torch.Tensor, seed: torch.Tensor) -> None:
-    """``torch.autograd.backward(loss, seed)`` for a plain 0-d loss and a seed shaped like it."""
-    engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if engine is None or _intercepted(loss):
-        torch.autograd.backward(loss, seed)
-    else:
-        engine((loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
 class Weighting:
     """The weighted reference of one accumulate and the weight of its open micro-step."""
 
@@ -87,7 +78,13 @@ class Weighting:
         seed = self._seeds.get(key)
         if seed is None:
             seed = self._seeds[key] = seed_gradient(loss.dtype, loss.device, self.every)
-        _backward_from(loss, seed.clone())
+        # torch.autograd.backward(loss, seed.clone()), by torch's engine entry (see above).
+        engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+        if engine is None or _intercepted(loss):
+            torch.autograd.backward(loss, seed.clone())
+        else:
+            engine((loss,), (seed.clone(),), False, False, (), allow_unreachable=True,
+                   accumulate_grad=True)  # fmt: skip
 
     def scaled(
         self, loss: torch.Tensor, weight: Weight | None, window: Window, first: bool

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +113,41 @@ def test_clock_of_the_steppers() -> None:
     assert clock_of(group, "x") is group and clock_of(None, "x") is None
     with pytest.raises(TypeError, match=r"until takes a loopkit\.step"):
         clock_of(model, "until")
+
+
+def _python_calls(fn: Callable[[], object]) -> tuple[int, object]:
+    """The Python functions ``fn`` enters (``fn`` itself not counted), and its result."""
+    seen = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        seen[0] += event == "call"
+
+    sys.setprofile(count)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return seen[0] - 1, out
+
+
+def test_loop_control_asked_mid_window_reads_no_counter_through_a_call() -> None:
+    """``until.check()`` and ``cadence.due()`` after a micro-step that ends no window: each
+    makes one call of its own (the boundary tracker's ``new``, which answers from the step's
+    counters read in place; it made three before: the last load, ``settle`` and
+    ``updates``), and still fires where a window closes."""
+    model = nn.Linear(2, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    with loopkit.until(step, max_updates=100) as stop:
+        validate = loopkit.cadence(step, updates=2)
+        counts, fired = [], []
+        for _ in range(12):
+            with step as s:
+                s.backward(model(torch.ones(1, 2)).sum())
+            n_due, due = _python_calls(validate.due)
+            n_check, done = _python_calls(stop.check)
+            fired.append((step.updates, due, done))
+            if step.micro_step:  # mid-window
+                counts.append((n_due, n_check))
+    assert counts == [(1, 1)] * 8, counts
+    assert [u for u, due, _ in fired if due] == [2, 4], fired
+    assert not any(done for _, _, done in fired)

@@ -335,6 +335,54 @@ def test_one_update_is_one_foreach_kernel_per_dtype() -> None:
                                        "aten::_foreach_mul_"]  # fmt: skip
 
 
+def test_an_update_makes_as_many_python_calls_for_any_number_of_parameters() -> None:
+    """An update's checks (the model still holds the averaged tensors, on the average's
+    device) and its kernel take the same Python calls for 4 parameters as for 40: a plain
+    tensor is its own local tensor, found once at construction (each update called a
+    function per parameter for it before), and the model's first parameter is found by its
+    registries, not by ``get_parameter``'s calls."""
+    import sys
+
+    def calls(width: int) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(width)))
+        average = loopkit.ema(model, decay=0.9)
+        average.update()  # the first builds what is built once
+        seen = [0]
+
+        def count(frame: Any, event: str, arg: Any) -> None:
+            seen[0] += event == "call"
+
+        sys.setprofile(count)
+        try:
+            average.update()
+        finally:
+            sys.setprofile(None)
+        assert average.updates == 2
+        return seen[0]
+
+    assert calls(2) == calls(20)
+
+
+def test_a_block_wrapped_after_the_ema_was_built_is_still_averaged() -> None:
+    """A block wrapped later by a module that forwards its names (torch's checkpoint wrapper,
+    as torch.compile of one block does) holds the same parameters: the per-update check that
+    the model still trains them finds them through the wrapper and the average moves (a
+    reviewer's reproduction of the registry read alone: it refused every update)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = mlp()
+    average = loopkit.ema(model, decay=0.9)
+    model[0] = checkpoint_wrapper(model[0])
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=average)
+    start = [t.clone() for t in average.shadow]
+    for batch in batches([4, 4]):
+        with step as s:
+            s.backward(loss_fn(model, batch))
+    assert step.updates == 2 and average.updates == 2
+    assert all(not torch.equal(a, b) for a, b in zip(start, average.shadow, strict=True))
+
+
 def test_accumulate_alone_takes_an_ema_too() -> None:
     """loopkit.accumulate(..., ema=) in a legacy loop: 5 micro-batches in windows of 2 and a
     flushed tail make 3 averages, the closed form of the weights after each update."""

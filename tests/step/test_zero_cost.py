@@ -333,3 +333,58 @@ def test_iterate_hands_a_batch_out_in_few_python_calls() -> None:
     assert [b[0] for b in got] == [b[0] for b in batches]
     # The first batch starts the pass (and looks ahead); the others are the per-batch cost.
     assert max(calls[1:]) <= 20, calls
+
+
+def _python_calls(fn: Callable[[], object]) -> int:
+    """The Python functions entered while ``fn`` runs (``fn`` itself included)."""
+    import sys
+
+    seen = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        seen[0] += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen[0]
+
+
+@pytest.mark.parametrize(("precision", "extra"), [("fp32", 6), ("bf16", 8)])
+def test_a_micro_step_adds_few_python_calls_to_what_it_replaces(precision: str, extra: int) -> None:
+    """A micro-step inside a window (no update): entering ``with step``, ``s.backward`` and
+    leaving make at most ``extra`` Python calls more than what they replace by hand (autocast
+    entered and left, ``(loss / every).backward()``). It was 18 and 26 more before the
+    compile check was asked inline, autocast entered without its own compile check, and the
+    layers with nothing to do (frozen modules, chunks, DDP's sync) skipped without a call."""
+    model = _model()
+    x, y = _data(1)[0]
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
+                        accumulate=EVERY)  # fmt: skip
+    for _ in range(EVERY + 1):  # a window, then one micro-step into the next
+        with step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+    assert step.micro_step == 1
+    ours = _python_calls(step.__enter__)
+    loss = nn.functional.mse_loss(model(x), y)
+    ours += _python_calls(lambda: step.backward(loss))
+    ours += _python_calls(lambda: step.__exit__(None, None, None))
+    assert step.micro_step == 2 and step.updates == 1
+
+    held: list[Any] = []
+
+    def enter() -> None:
+        bf16 = precision == "bf16"
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        amp.__enter__()
+        held.append(amp)
+
+    other = _model()  # the hand loop's own model
+    hand = _python_calls(enter)
+    loss = nn.functional.mse_loss(other(x), y)
+    hand += _python_calls(lambda: held[0].__exit__(None, None, None))
+    hand += _python_calls(lambda: (loss / EVERY).backward())
+    assert ours - hand <= extra, (ours, hand)
+    step.flush()
