@@ -576,6 +576,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):
+        # The whole runs on one core too (as each paired run is): a run the scheduler moves
+        # between cores finds its caches cold there, and a timed piece of it (the log's
+        # record) doubled from run to run so.
+        os.sched_setaffinity(0, {CORE})
     clip = 1.0 if args.clip else None
     why = available()
     names = [n for n in CONTENDERS if why[n] is None and (not args.goals or n in GOAL_ROWS)]
