@@ -12,6 +12,7 @@ uninterrupted run's, sample for sample; the final weights are bit-identical.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import random
 import subprocess
 import sys
@@ -24,8 +25,10 @@ from helpers import DEEP, ROOT, deep, kill_tree, launch_env
 
 pytestmark = deep  # LOOPKIT_DEEP=1 runs this file (tests/helpers.py: deep)
 
-pytest.importorskip("datasets")
-pytest.importorskip("torchdata")
+# The runs are subprocesses: this module needs the extras installed, not imported (importing
+# datasets here cost each test worker's collection about 5 s).
+if importlib.util.find_spec("datasets") is None or importlib.util.find_spec("torchdata") is None:
+    pytest.skip("the streaming extra is not installed", allow_module_level=True)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 KILLS = 6 if DEEP else 2
