@@ -138,14 +138,6 @@ class Mover:
                 out = out.contiguous(memory_format=torch.channels_last_3d)
         return out
 
-    def _there(self, items: tuple[object, ...] | list[object]) -> bool:
-        """Whether every item is a plain tensor already on the device."""
-        cpu, device = self._cpu, self.device
-        for v in items:  # a loop, not all(...): batches hold two or three tensors
-            if type(v) is not torch.Tensor or not (v.is_cpu if cpu else v.device == device):
-                return False
-        return True
-
     def move(self, batch: T) -> T:
         """``batch`` with every tensor moved, as its own type."""
         # cast: __call__ rebuilds each container as its own type, which its branches' types
@@ -156,10 +148,16 @@ class Mover:
     def __call__(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj)
-        if (type(obj) is tuple or type(obj) is list) and self._as_is and self._there(obj):
+        if (type(obj) is tuple or type(obj) is list) and self._as_is:
             # Per batch, the usual case on a CPU step (or a loader already on the device):
-            # nothing to move, so no walk; a list is still handed out as a copy.
-            return obj if type(obj) is tuple else list(obj)
+            # every item a plain tensor already there, so no walk (the check inline: it runs
+            # per batch); a list is still handed out as a copy.
+            cpu, device = self._cpu, self.device
+            for v in obj:  # a loop, not all(...): batches hold two or three tensors
+                if type(v) is not torch.Tensor or not (v.is_cpu if cpu else v.device == device):
+                    break
+            else:
+                return obj if type(obj) is tuple else list(obj)
         if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
             return obj
         if isinstance(obj, Mapping):

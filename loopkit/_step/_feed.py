@@ -18,6 +18,7 @@ from .. import _ranks
 from .._data._epoch_loader import training_iter
 from .._observe._progress import ProgressDisplay
 from . import _micro_batch
+from ._batch_layout import quick_size
 from ._micro_batch import leading_size
 
 T = TypeVar("T")
@@ -86,7 +87,9 @@ def counted(
             if first:  # the source's pass has begun: its epoch is known now
                 first = False
                 seen.begin_pass(source)
-            size = leading_size(batch)
+            size = quick_size(batch)  # the usual layouts, in one call (per batch)
+            if size is None:
+                size = leading_size(batch)
             seen.samples += size * world
             if doctor is not None:  # this micro-step's samples: the FLOPs scale by them
                 doctor.step_samples(size)

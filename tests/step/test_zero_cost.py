@@ -306,7 +306,8 @@ def test_iterate_hands_a_batch_out_in_few_python_calls() -> None:
     """``step.iterate`` over a list of (x, y) CPU batches on a CPU step: the Python calls made
     between the loop asking for a batch and getting it, counted with a profile hook (30 per
     batch before its mover was given to the look-ahead and a batch already on the device
-    stopped being walked; 17 after). The batches come out moved and in order."""
+    stopped being walked; 17 after; 15 with the mover's check and the sample count's usual
+    layouts read without a call of their own). The batches come out moved and in order."""
     import sys
 
     model = nn.Linear(4, 1)
@@ -332,7 +333,7 @@ def test_iterate_hands_a_batch_out_in_few_python_calls() -> None:
             s.backward(nn.functional.mse_loss(model(batch[0]), batch[1]))
     assert [b[0] for b in got] == [b[0] for b in batches]
     # The first batch starts the pass (and looks ahead); the others are the per-batch cost.
-    assert max(calls[1:]) <= 20, calls
+    assert max(calls[1:]) <= 15, calls
 
 
 def _python_calls(fn: Callable[[], object]) -> int:
