@@ -13,8 +13,8 @@ The entry points call it through its attribute path, written out where they ask 
 a helper: that would be one more Python call per ask, three to five per micro-step): dynamo
 folds the call to True only when it sees that path; a module-level alias of the same function
 is traced as an ordinary call that returns False (then ``autocast`` entered in a graph is left
-outside it: shared/repros/edges3/r3_16). ``tests/compile/test_compiled_micro_step.py`` checks
-every entry point traced so.
+outside it: shared/repros/edges3/r3_16). ``tests/compile/test_compiled_micro_step.py`` traces
+a whole micro-step of ``step``, and of ``accumulate`` with ``autocast_step``.
 """
 
 from __future__ import annotations
