@@ -168,11 +168,11 @@ class TimedLog(loopkit.detach_logging):
         _RECORD(self, metrics)
         _SPENT[0] += (clock() - t1) - (t1 - t0)
 
-    def _record_one(self, name: str, v: torch.Tensor) -> None:
+    def _record_one(self, name: str, v: torch.Tensor, known: Any = None) -> None:
         clock = time.perf_counter
         t0 = clock()
         t1 = clock()
-        _RECORD_ONE(self, name, v)
+        _RECORD_ONE(self, name, v, known)
         _SPENT[0] += (clock() - t1) - (t1 - t0)
 
 

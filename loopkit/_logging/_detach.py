@@ -43,16 +43,17 @@ class detach_logging(_log_state.LogState):
     host-device sync, no autograd graph kept alive. Every ``every`` calls (and on
     ``flush()`` or leaving ``with log:``) each metric is reduced (``mean`` by default;
     ``reduce="max"`` or ``reduce={"acc": "max"}`` picks ``sum``/``max``/``min``/``last``)
-    and ``sink`` gets one dict of Python floats, read from the device in a single
-    transfer. Reductions run in float64 (float32 on MPS, which has no float64), so integer
-    and float64 counters stay exact, and a NaN among the values always comes out as NaN,
-    for tensors and Python numbers alike. ``@log`` on a function returning a scalar
-    tensor or a dict of them records its result and returns it unchanged.
+    and ``sink`` gets one dict of Python floats: the values are read from the device in a
+    single transfer and reduced on the host, sums exactly rounded (``math.fsum``), so
+    integer and float64 counters stay exact on any device, and a NaN among the values always
+    comes out as NaN, for tensors and Python numbers alike. ``@log`` on a function returning
+    a scalar tensor or a dict of them records its result and returns it unchanged.
 
     Under DDP, by default (``sync_ranks=None``) each rank reduces its own values with no
     collective, so logging on rank zero only is safe, and only rank zero calls the sink;
     ``sync_ranks=False`` calls the sink on every rank. ``sync_ranks=True`` reduces across
-    ranks, in one all-gather per flush: means are over every value of every rank, ``sum``/
+    ranks, in one all-gather per flush of each rank's statistics (summed in float64 on its
+    device, merged exactly): means are over every value of every rank, ``sum``/
     ``max``/``min`` over all ranks, ``last`` the mean of the ranks' last values, and a
     metric logged on some ranks only is reduced over the ranks that logged it. Then the
     flush is a collective: every rank must flush together (the same number of ``log``

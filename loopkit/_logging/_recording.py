@@ -10,24 +10,36 @@ from typing import Any
 import torch
 
 from . import _log_state
-from ._reductions import NUMBER, Value
+from ._reductions import NUMBER, Kind, Value
 
 # Each function takes the detach_logging as ``self`` (typed Any: _detach imports this module).
 detach_logging = Any
 
 
-def record_one(self: detach_logging, name: str, v: torch.Tensor) -> None:
+def record_one(self: detach_logging, name: str, v: torch.Tensor, known: Kind | None = None) -> None:
     """``record({name: v})`` for one detached value (a step's loss, each micro-step): the
-    call every micro-step makes, in a few lines; anything else goes through ``record``."""
-    kind = self._kinds.get(name, NUMBER)  # NUMBER's dtype (None) is no tensor's either
-    if (
-        v.dtype is not kind[0]
-        or self._restored
-        or v.ndim
-        or (not v.is_cpu if kind[2] else v.device != kind[1])
-    ):
-        self.record({name: v})
-        return
+    call every micro-step makes, in a few lines; anything else goes through ``record``.
+
+    ``known``: the kind the caller already found ``v`` to be (a 0-d floating tensor of that
+    dtype and device; a step's backward reads its loss before autograd runs). Once a value of
+    that kind passed the checks here, the metric's kind *is* that object, and a value vouched
+    for by it is appended without reading the tensor again: touching a tensor the loop left
+    cold costs more than the rest of the call."""
+    kinds = self._kinds
+    kind = kinds.get(name, NUMBER)  # NUMBER's dtype (None) is no tensor's either
+    if kind is not known or self._restored:
+        if (
+            v.dtype is not kind[0]
+            or self._restored
+            or v.ndim
+            or (not v.is_cpu if kind[2] else v.device != kind[1])
+        ):
+            self.record({name: v})
+            if known is not None and kinds.get(name) == known:
+                kinds[name] = known  # the same kind, as the object a caller vouches with
+            return
+        if known is not None:
+            kinds[name] = known  # equal to the kind checked (the caller read v alike)
     kept = self._values.get(name)
     if kept is None:
         self._values[name] = [v]

@@ -1,8 +1,12 @@
-"""How detach_logging reduces a metric: each rank's statistic, and the merge of the ranks'.
+"""How detach_logging reduces a metric: on one rank, on the host; across ranks, each rank's
+statistic and the merge of the ranks'.
 
-A mean travels between ranks as its count and sum; ``sum``/``max``/``min`` as themselves;
-``last`` as the rank's last value, merged as the mean of the ranks' last values. A NaN
-among the values always gives NaN, and Python numbers reduce as float64 tensors do.
+One rank reads its values to the host (one transfer per device) and reduces them there: the
+reduction is exact where a float64 sum on the device would round, and costs one stack and
+one read however many metrics. Across ranks a mean travels as its count and float64 sum;
+``sum``/``max``/``min`` as themselves; ``last`` as the rank's last value, merged as the
+mean of the ranks' last values. A NaN among the values always gives NaN, and Python numbers
+reduce as tensors do.
 """
 
 from __future__ import annotations
@@ -30,25 +34,36 @@ NUMBER: Kind = (None, None, None)
 
 
 def reduce_local(values: Values, how: HowOf) -> dict[str, float]:
-    """Every metric reduced as one rank's ``(count, statistic)`` merged alone (the same
-    arithmetic as a cross-rank flush), the statistics read in one transfer per device."""
-    stats = partials(values, how)
-    read: dict[str, float] = {}
+    """Every metric reduced on the host: its values read in one transfer per device, then
+    reduced as Python numbers are (an exactly rounded sum, NaN-propagating ``max``/``min``),
+    so tensors and numbers of any dtype reduce alike and integer counters stay exact."""
+    read: dict[str, Sequence[float]] = {}
     on_device: dict[torch.device, list[str]] = {}
-    for name, (_, stat) in stats.items():
-        if isinstance(stat, torch.Tensor):
-            on_device.setdefault(stat.device, []).append(name)
+    for name, vals in values.items():
+        # A metric's values are all tensors or all floats (checked as they are recorded).
+        first = vals[0]
+        if isinstance(first, torch.Tensor):
+            on_device.setdefault(first.device, []).append(name)
         else:
-            read[name] = stat
+            read[name] = cast("list[float]", vals)
     for names in on_device.values():
-        tensors = [cast(torch.Tensor, stats[name][1]) for name in names]
-        # Host-device sync: the one read per flush (per device holding metrics).
-        floats = [tensors[0].item()] if len(tensors) == 1 else torch.stack(tensors).tolist()
-        read.update(zip(names, floats, strict=True))
-    # One rank's merge: a mean is its sum over its count; the others are their statistic.
-    return {
-        name: read[name] / stats[name][0] if how(name) == "mean" else read[name] for name in values
-    }
+        tensors = [t for name in names for t in cast("list[torch.Tensor]", values[name])]
+        # Host-device sync: the one read per flush (per device holding metrics). One dtype
+        # is read as it is (ints and bools exact); several are widened first, each alone.
+        flat = (torch.stack(tensors) if _one_dtype(tensors) else stacked(tensors)).tolist()
+        start = 0
+        for name in names:
+            end = start + len(values[name])
+            read[name] = flat[start:end]
+            start = end
+    return {name: reduced(how(name), read[name]) for name in values}
+
+
+def reduced(how: str, vals: Sequence[float]) -> float:
+    """One rank's reduction of a metric's values read to the host, as a float."""
+    if how == "mean":
+        return fsum(vals) / len(vals)
+    return float(partial_floats(vals, how))
 
 
 def partials(values: Values, how: HowOf) -> dict[str, tuple[int, Value]]:
@@ -100,7 +115,7 @@ def _one_dtype(vals: list[torch.Tensor]) -> bool:
 _DTYPE = operator.attrgetter("dtype")
 
 
-def partial_floats(vals: list[float], how: str) -> float:
+def partial_floats(vals: Sequence[float], how: str) -> float:
     """The same statistic as ``partial_tensor``, with the same NaN behaviour."""
     if how in ("mean", "sum"):
         return fsum(vals)
@@ -125,7 +140,7 @@ def merge(how: str, logged: list[tuple[float, float]]) -> float:
     return fsum(stats) / len(stats)  # last: the mean of each rank's last value
 
 
-def fsum(vals: list[float]) -> float:
+def fsum(vals: Sequence[float]) -> float:
     """An exactly rounded sum; with inf/nan (or overflow), IEEE semantics as in torch."""
     try:
         return math.fsum(vals)
@@ -133,6 +148,6 @@ def fsum(vals: list[float]) -> float:
         return float(sum(vals))
 
 
-def _nan_or(pick: Callable[[list[float]], float], vals: list[float]) -> float:
+def _nan_or(pick: Callable[[Sequence[float]], float], vals: Sequence[float]) -> float:
     """``max``/``min`` that return NaN when any value is NaN (Python's depend on position)."""
     return math.nan if any(math.isnan(v) for v in vals) else pick(vals)

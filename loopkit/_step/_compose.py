@@ -141,6 +141,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         self._autocast_on = self.amp.precision != "fp32"
         self._in_autocast = False
         self._loss: torch.Tensor | None = None
+        self._loss_kind: Any = None  # accumulate's loss_kind of the micro-step's losses
         self._extra: dict[str, Any] | None = None  # log_metrics's, made on its first call
         self._weight: Weight | None = None  # the micro-step's weight= (its log record's)
 
@@ -192,9 +193,13 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         if self.chunks.share is not None:  # a chunk's share of its batch
             weight = _feed.chunk_weight(self, weight)
         acc._backward(loss, weight, **autograd)
-        if self.log is not None:
-            detached = loss.detach()
-            self._loss = detached if self._loss is None else self._loss + detached
+        if self.log is not None:  # the record's loss, its kind told if every backward's was
+            detached, kind = loss.detach(), acc._weighting.loss_kind  # (None: to be checked)
+            if self._loss is None:
+                self._loss, self._loss_kind = detached, kind
+            else:
+                self._loss = self._loss + detached
+                self._loss_kind = kind if kind is self._loss_kind else None
 
     def log_metrics(self, **metrics: torch.Tensor | float) -> None:
         """Add metrics to this micro-step's log record (needs ``log=``)."""
@@ -204,15 +209,11 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
             self._extra = {}
         self._extra.update(metrics)
 
-    def _exit(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
+    def _exit(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+              tb: TracebackType | None) -> bool:  # fmt: skip
         doc = self.doctor
         # The record is taken out first: whatever fails, none of it is logged by the next.
-        loss, extra, weight = self._loss, self._extra, self._weight
+        loss, extra, weight, kind = self._loss, self._extra, self._weight, self._loss_kind
         self._loss, self._extra, self._weight = None, None, None
         try:
             try:
@@ -234,7 +235,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
                             self.accumulator._exit(exc_type, exc, tb)
             # 9. detach_logging records the detached loss and metrics (never of a failure).
             if self.log is not None and exc_type is None:
-                _record(self, self.log, loss, extra, weight)
+                _record(self, self.log, loss, extra, weight, kind)
         finally:
             # 10. doctor: the step's clock stops.
             if doc is not None:
@@ -323,12 +324,12 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
 
 def _record(
     step: step, log: _detach.detach_logging, loss: torch.Tensor | None,
-    extra: dict[str, Any] | None, weight: Weight | None,
+    extra: dict[str, Any] | None, weight: Weight | None, kind: Any,
 ) -> None:  # fmt: skip
     """A micro-step's log record: its loss (detached in backward) and ``log_metrics``."""
     doc = step.doctor
     if extra is None and loss is not None and doc is None and step.chunks.share is None:
-        log._record_one("loss", loss)  # the usual micro-step: its loss alone, the short path
+        log._record_one("loss", loss, kind)  # the usual micro-step: its loss alone, the short path
         return
     if extra is None:
         extra = {} if loss is None else {"loss": loss}

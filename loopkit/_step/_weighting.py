@@ -24,19 +24,25 @@ from ._window import Window
 # it, torch.compiler's or a user's, is seen). A torch without it (or a loss a torch-function
 # mode or subclass intercepts) goes through torch.autograd.backward.
 _intercepted = torch._C._has_torch_function_unary
+LossKind = tuple[torch.dtype, torch.device, bool]
+"""A plain 0-d floating loss's dtype, device and whether that is the CPU (a log's Kind)."""
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
 class Weighting:
     """The weighted reference of one accumulate and the weight of its open micro-step."""
 
-    __slots__ = ("_seeds", "every", "group", "micro_weight", "reference", "sharded")
+    __slots__ = ("_seeds", "every", "group", "loss_kind", "micro_weight", "reference", "sharded")
 
     def __init__(self, every: int, sharded: bool, group: Any) -> None:
         self.every, self.sharded, self.group = every, sharded, group
         self.reference: Any = None  # fixed at the first weighted backward
         self.micro_weight: Any = None  # the weight of the micro-step now open
-        self._seeds: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._seeds: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, LossKind]] = {}
+        self.loss_kind: LossKind | None = None
+        """The last backward's loss, if it took the usual path: a plain 0-d floating tensor of
+        ``(dtype, device, on the CPU)``, one object per dtype and device, so a log told it
+        (``detach_logging._record_one``) need not read the loss again (see there)."""
 
     def backward(
         self, loss: torch.Tensor, weight: Weight | None, window: Window, first: bool,
@@ -58,6 +64,7 @@ class Weighting:
         ):
             self.backward_seeded(loss)
             return 1, None
+        self.loss_kind = None  # a loss off the usual path is checked where it is logged
         scaled, w, reference = self.scaled(loss, weight, window, first)
         if amp is not None:
             amp.backward(scaled, **autograd)
@@ -75,9 +82,11 @@ class Weighting:
         it) a parameter's ``.grad`` (a loss that reaches a parameter through views only), and
         a hook may write into it; neither may reach the next micro-step."""
         key = (loss.dtype, loss.device)
-        seed = self._seeds.get(key)
-        if seed is None:
-            seed = self._seeds[key] = seed_gradient(loss.dtype, loss.device, self.every)
+        known = self._seeds.get(key)
+        if known is None:
+            kind = (loss.dtype, loss.device, loss.device.type == "cpu")
+            known = self._seeds[key] = (seed_gradient(loss.dtype, loss.device, self.every), kind)
+        seed, self.loss_kind = known
         # torch.autograd.backward(loss, seed.clone()), by torch's engine entry (see above).
         engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
         if engine is None or _intercepted(loss):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import loopkit
@@ -201,3 +202,59 @@ def test_flushes_equal_a_float64_reference_whatever_the_calls(
             pending, q_kind = {}, None
     assert got == expected
     assert log.step == accepted and log.flush() == (_reference(pending) if pending else {})
+
+
+_VARIANTS = ["plain", "float64", "shape_1", "two_backwards", "mixed_backwards", "then_shape_1",
+             "user_log", "reload"]  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(schedule=st.lists(st.sampled_from(_VARIANTS), min_size=1, max_size=12),
+       every=st.integers(1, 5))  # fmt: skip
+def test_a_steps_vouched_loss_kind_is_trusted_no_further_than_it_was_checked(
+    schedule: list[str], every: int
+) -> None:
+    """A step tells its log the kind its backward found the loss to be (0-d, floating, its
+    dtype and device), and the log then appends without reading the loss. Losses off that
+    path (another dtype, a (1,)-shaped loss, two backwards of different kinds, the user
+    logging the same metric another way, a reloaded interval) are checked in full: every
+    flush equals the exact reduction of the values the loop logged."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    got: list[dict[str, float]] = []
+    log = loopkit.detach_logging(every=every, sink=got.append)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulate=1, log=log)
+    pending: list[float] = []
+    expected: list[dict[str, float]] = []
+
+    def logged(value: float) -> None:
+        pending.append(value)
+        if log._calls_since_flush == 0:
+            expected.append({"loss": math.fsum(pending) / len(pending)})
+            pending.clear()
+
+    for variant in schedule:
+        if variant == "user_log":
+            log(loss=torch.tensor(0.25, dtype=torch.float64))
+            logged(0.25)
+            continue
+        if variant == "reload":
+            log.load_state_dict(log.state_dict())
+            continue
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        with step as s:
+            if variant == "float64":
+                loss = loss.double()
+            if variant == "shape_1":
+                loss = loss.reshape(1)
+            s.backward(loss)
+            total = float(loss.detach().sum())
+            if variant in ("two_backwards", "mixed_backwards", "then_shape_1"):
+                more = model(torch.randn(4, 3)).abs().mean()
+                more = more.double() if variant == "mixed_backwards" else more
+                more = more.reshape(1) if variant == "then_shape_1" else more
+                s.backward(more)
+                total = float((loss.detach() + more.detach()).sum())
+        logged(total)
+    assert got == expected
+    assert all(v.ndim == 0 for v in log._values.get("loss", []))

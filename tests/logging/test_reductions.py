@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +163,61 @@ def test_a_metric_reduced_two_ways_is_refused_naming_the_rank() -> None:
     """Two ranks that reduce one metric differently cannot be merged: say which and how."""
     with pytest.raises(RuntimeError, match=r"'acc' is reduced with 'max' .* 'mean' on rank 1"):
         union([[("acc", "max")], [("acc", "mean")]])
+
+
+def test_a_local_flush_sums_exactly_where_a_float64_sum_rounds() -> None:
+    """Values are read to the host and summed exactly rounded: float64 values that cancel and
+    int64 counters past 2**53 come out as the exact sum (a float64 sum on the device rounds
+    both)."""
+    cancel = [torch.tensor(v, dtype=torch.float64) for v in (1e16, 1.0, -1e16, 1.0)]
+    counts = [torch.tensor(2**53), *[torch.tensor(1)] * 8]
+    values: dict[str, list[Value]] = {"x": list(cancel), "n": list(counts)}
+    out = reduce_local(values, _how({"n": "sum"}))
+    assert out == {"x": 0.5, "n": float(2**53 + 8)}
+    assert out["n"] == math.fsum([2**53, *[1] * 8])
+
+
+def test_a_local_flush_is_one_stack_and_one_read_per_device() -> None:
+    """However many metrics share a device and dtype, the flush stacks their values once and
+    reads them in one transfer (no per-metric reduction on the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kw or {}))
+
+    import loopkit
+
+    values: dict[str, list[Value]] = {
+        "loss": [torch.tensor(float(i)) for i in range(5)],
+        "acc": [torch.tensor(1.0)] * 3,
+        "lr": [0.1, 0.2],
+    }
+    with Ops() as seen, loopkit.count_host_syncs() as syncs:
+        out = reduce_local(values, _how({"acc": "max", "lr": "last"}))
+    assert seen.ops == ["stack"] and syncs.count == 1, (seen.ops, syncs.events)
+    assert out == {"loss": 2.0, "acc": 1.0, "lr": 0.2}
+
+
+@pytest.mark.parametrize("how", ["mean", "sum", "max", "min", "last"])
+def test_mixed_dtypes_on_one_device_reduce_as_their_float64_values(how: str) -> None:
+    """int64, bool, bf16 and float64 metrics (and a metric switching dtype) read in one
+    transfer give what their float64 values reduce to: no promotion to a common dtype."""
+    values: dict[str, list[Value]] = {
+        "n": [torch.tensor(16_777_217), torch.tensor(3)],
+        "hit": [torch.tensor(True), torch.tensor(False)],
+        "q": [torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(0.25, dtype=torch.float64)],
+    }
+    out = reduce_local(values, _how(dict.fromkeys(values, how)))
+    for name, vals in values.items():
+        floats = [float(v) for v in vals]
+        expected = {
+            "mean": math.fsum(floats) / len(floats), "sum": math.fsum(floats),
+            "max": max(floats), "min": min(floats), "last": floats[-1],
+        }[how]  # fmt: skip
+        assert out[name] == expected and type(out[name]) is float, (name, out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -389,3 +390,40 @@ def test_a_micro_step_adds_few_python_calls_to_what_it_replaces(precision: str, 
     hand += _python_calls(lambda: (loss / EVERY).backward())
     assert ours - hand <= extra, (ours, hand)
     step.flush()
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Every torch function and tensor attribute read, with the tensor it was called on
+    (kept alive, so no later tensor can take its id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, torch.Tensor | None]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        self.calls.append((getattr(func, "__qualname__", str(func)), first))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_logged_micro_step_never_reads_its_detached_loss_again(precision: str) -> None:
+    """``log=``: the step's backward already read its loss (0-d, floating, dtype, device)
+    before autograd ran; the log takes that as the value's kind and appends the detached loss
+    without touching the tensor (a cold tensor read costs more than the rest of the record).
+    The first micro-step is checked in full; every later one makes no read of it."""
+    model = _model()
+    log = loopkit.detach_logging(every=None, sink=None)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+                        precision=precision, log=log)  # fmt: skip
+    touched: list[int] = []
+    for i, (x, y) in enumerate(_data(6)):
+        with _Reads() as reads, step as s:
+            s.backward(nn.functional.mse_loss(model(x), y))
+        kept = log._values["loss"][-1]
+        n = sum(1 for _, first in reads.calls if first is kept)
+        touched.append(n)
+        assert kept.grad_fn is None and kept.ndim == 0, i
+    assert touched[0] > 0 and touched[1:] == [0] * 5, touched
+    expected = [float(v) for v in log._values["loss"]]
+    assert log.flush() == {"loss": math.fsum(expected) / 6}
