@@ -107,6 +107,9 @@ class detach_logging(_log_state.LogState):
         self._calls_since_flush = 0
         self._restored: set[str] = set()  # metrics whose values a resume put on the CPU
         self._kinds: dict[str, Kind] = {}  # how each metric was last logged: what record appends
+        # The dtypes of the tensors kept since the last flush (or more; None: unknown, after a
+        # resume): one dtype spares the flush a pass over every value to find out.
+        self._dtypes: set[torch.dtype] | None = set()
         self.step = 0
         """Number of ``log(...)`` calls so far."""
         self.last: dict[str, float] = {}
@@ -212,6 +215,8 @@ class detach_logging(_log_state.LogState):
         self._values = {}
         self._calls_since_flush = 0
         self._restored = set()
+        # What the next values can be without a full check: their metric's kind.
+        self._dtypes = {kind[0] for kind in self._kinds.values() if kind[0] is not None}
         if not reduced:  # a cross-rank flush where no rank had logged anything
             return
         self.last = reduced
@@ -249,7 +254,8 @@ class detach_logging(_log_state.LogState):
     def _reduce(self, values: dict[str, list[Value]], across: bool) -> dict[str, float]:
         if across:
             return reduce_across_ranks(values, self._how)
-        return reduce_local(values, self._how)
+        dtypes = self._dtypes
+        return reduce_local(values, self._how, one_dtype=dtypes is not None and len(dtypes) < 2)
 
     def __enter__(self) -> detach_logging:
         return self

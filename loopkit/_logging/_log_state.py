@@ -43,6 +43,7 @@ class LogState:
     _values: Pending
     _restored: set[str]  # metrics whose values a resume put on the CPU
     _kinds: dict[str, Kind]  # how each metric was last logged (detach_logging's fast path)
+    _dtypes: set[torch.dtype] | None  # the kept tensors' dtypes, if known
     _delivery: Delivery
 
     _how: HowOf  # detach_logging's method: a metric's reduction
@@ -76,6 +77,7 @@ class LogState:
         self.step, self._calls_since_flush, self._values = calls, since, values
         self._restored = set(values)
         self._kinds.clear()  # the next value of each metric is checked against the loaded ones
+        self._dtypes = None  # the loaded values' dtypes: found by the next flush
 
     def _checked(self, state: object) -> tuple[int, int, Pending, list[Any]]:
         """A saved state's count, interval and sink states, checked against this log."""
@@ -104,6 +106,7 @@ class LogState:
         self._values = {name: list(vals) for name, vals in values.items()}
         self._restored = set(restored)
         self._kinds.clear()  # the next value of each metric is checked against these
+        self._dtypes = None
 
 
 def saved(calls: int, since_flush: int, values: Mapping[str, Sequence[Value]]) -> dict[str, Any]:

@@ -70,6 +70,9 @@ def record_checked(
     self._restored -= unmarked
     for name, value in checked:
         self._values.setdefault(name, []).append(value)
+    dtypes = {value.dtype for _, value in checked if isinstance(value, torch.Tensor)}
+    if self._dtypes is not None:
+        self._dtypes |= dtypes
     self.step += 1
     self._calls_since_flush += 1
     if flushes:
@@ -80,6 +83,8 @@ def record_checked(
             kinds[name] = (value.dtype, value.device, value.device.type == "cpu")
         else:
             kinds[name] = NUMBER
+    if flushes and self._dtypes is not None:  # the next interval's, from kinds set just now
+        self._dtypes |= dtypes
 
 
 def flush_call(

@@ -33,10 +33,13 @@ NUMBER: Kind = (None, None, None)
 """The kind of a metric recorded as a Python float (compared by identity)."""
 
 
-def reduce_local(values: Values, how: HowOf) -> dict[str, float]:
+def reduce_local(values: Values, how: HowOf, one_dtype: bool = False) -> dict[str, float]:
     """Every metric reduced on the host: its values read in one transfer per device, then
     reduced as Python numbers are (an exactly rounded sum, NaN-propagating ``max``/``min``),
-    so tensors and numbers of any dtype reduce alike and integer counters stay exact."""
+    so tensors and numbers of any dtype reduce alike and integer counters stay exact.
+
+    ``one_dtype``: the caller knows every tensor has one dtype (else each device's are
+    looked at: a pass over every value, the flush's costliest part in a loop)."""
     read: dict[str, Sequence[float]] = {}
     on_device: dict[torch.device, list[str]] = {}
     for name, vals in values.items():
@@ -47,10 +50,13 @@ def reduce_local(values: Values, how: HowOf) -> dict[str, float]:
         else:
             read[name] = cast("list[float]", vals)
     for names in on_device.values():
-        tensors = [t for name in names for t in cast("list[torch.Tensor]", values[name])]
+        tensors = cast("list[torch.Tensor]", values[names[0]])
+        if len(names) > 1:
+            tensors = [t for name in names for t in cast("list[torch.Tensor]", values[name])]
         # Host-device sync: the one read per flush (per device holding metrics). One dtype
         # is read as it is (ints and bools exact); several are widened first, each alone.
-        flat = (torch.stack(tensors) if _one_dtype(tensors) else stacked(tensors)).tolist()
+        one = one_dtype or _one_dtype(tensors)
+        flat = (torch.stack(tensors) if one else stacked(tensors)).tolist()
         start = 0
         for name in names:
             end = start + len(values[name])

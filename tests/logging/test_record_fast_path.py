@@ -258,3 +258,34 @@ def test_a_steps_vouched_loss_kind_is_trusted_no_further_than_it_was_checked(
         logged(total)
     assert got == expected
     assert all(v.ndim == 0 for v in log._values.get("loss", []))
+
+
+def test_a_flush_knows_its_values_share_one_dtype_without_reading_each() -> None:
+    """The log knows the dtypes it kept since the last flush (its metrics' kinds), so a flush
+    of one dtype reads no value's dtype (a pass over cold tensors, the costliest part of a
+    flush in a loop); values of two dtypes, the second logged through the fast path after a
+    flush, are still widened each (an int64 count past bf16's precision stays exact)."""
+    log = loopkit.detach_logging(every=None, sink=None, reduce={"n": "sum"})
+    for i in range(50):
+        log(loss=torch.tensor(i / 4))
+    with _Getters() as seen:
+        assert log.flush() == {"loss": math.fsum(i / 4 for i in range(50)) / 50}
+    assert seen.count < 5, seen.count  # the stack (and its read), not a dtype per value
+    log(n=torch.tensor(1), q=torch.tensor(0.5, dtype=torch.bfloat16))
+    log.flush()
+    # Both metrics now take the fast path (their kinds are known): two dtypes in one flush.
+    log(n=torch.tensor(2**40 + 1), q=torch.tensor(0.25, dtype=torch.bfloat16))
+    log(n=torch.tensor(2), q=torch.tensor(0.75, dtype=torch.bfloat16))
+    assert log.flush() == {"n": float(2**40 + 3), "q": 0.5}
+
+
+class _Getters(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions and tensor attribute reads run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
