@@ -53,16 +53,31 @@ def reduce_local(values: Values, how: HowOf, one_dtype: bool = False) -> dict[st
         tensors = cast("list[torch.Tensor]", values[names[0]])
         if len(names) > 1:
             tensors = [t for name in names for t in cast("list[torch.Tensor]", values[name])]
-        # Host-device sync: the one read per flush (per device holding metrics). One dtype
-        # is read as it is (ints and bools exact); several are widened first, each alone.
         one = one_dtype or _one_dtype(tensors)
-        flat = (torch.stack(tensors) if one else stacked(tensors)).tolist()
+        # Host-device sync: the one read per flush (per device holding metrics).
+        flat = torch.stack(tensors).tolist() if one else _read_widened(tensors)
         start = 0
         for name in names:
             end = start + len(values[name])
             read[name] = flat[start:end]
             start = end
     return {name: reduced(how(name), read[name]) for name in values}
+
+
+def _read_widened(tensors: list[torch.Tensor]) -> list[float]:
+    """0-d values of several dtypes read in one transfer: each dtype's stacked and widened
+    alone (stacking them together would promote: int64 with bf16 -> bf16), then put back in
+    order on the host. Two device ops per dtype, not one per value."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(map(_DTYPE, tensors)):
+        groups.setdefault(dtype, []).append(i)
+    wide = wide_dtype(tensors[0].device)
+    parts = [torch.stack([tensors[i] for i in where]).to(wide) for where in groups.values()]
+    read = torch.cat(parts).tolist()  # host-device sync: the flush's one read
+    out = [0.0] * len(tensors)
+    for i, value in zip((i for where in groups.values() for i in where), read, strict=True):
+        out[i] = value
+    return out
 
 
 def reduced(how: str, vals: Sequence[float]) -> float:

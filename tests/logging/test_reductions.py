@@ -221,3 +221,39 @@ def test_mixed_dtypes_on_one_device_reduce_as_their_float64_values(how: str) -> 
             "max": max(floats), "min": min(floats), "last": floats[-1],
         }[how]  # fmt: skip
         assert out[name] == expected and type(out[name]) is float, (name, out)
+
+
+def test_a_flush_of_several_dtypes_costs_two_ops_per_dtype_not_one_per_value() -> None:
+    """A float32 loss beside an int64 count and a bf16 accuracy: each dtype's values are
+    stacked and widened once, joined, and read once (a kernel launch per value would cost a
+    GPU flush far more than it saves), and the values come back in their metrics' order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kw or {}))
+
+    import loopkit
+
+    n = 100
+    values: dict[str, list[Value]] = {
+        "loss": [torch.tensor(i / 8) for i in range(n)],
+        "tokens": [torch.tensor(2**40 + i) for i in range(n)],
+        "acc": [torch.tensor(i % 2 / 2, dtype=torch.bfloat16) for i in range(n)],
+        "last": [torch.tensor(float(i), dtype=torch.float64) for i in range(n)],
+    }
+    how = _how({"tokens": "sum", "acc": "max", "last": "last"})
+    with Ops() as seen, loopkit.count_host_syncs() as syncs:
+        out = reduce_local(values, how)
+    assert len(seen.ops) <= 2 * 4 + 1 and syncs.count == 1, (seen.ops, syncs.events)
+    assert out == {
+        "loss": math.fsum(i / 8 for i in range(n)) / n,
+        "tokens": float(n * 2**40 + n * (n - 1) // 2),
+        "acc": 0.5,
+        "last": float(n - 1),
+    }
