@@ -107,8 +107,9 @@ class detach_logging(_log_state.LogState):
         self._calls_since_flush = 0
         self._restored: set[str] = set()  # metrics whose values a resume put on the CPU
         self._kinds: dict[str, Kind] = {}  # how each metric was last logged: what record appends
-        # The dtypes of the tensors kept since the last flush (or more; None: unknown, after a
-        # resume): one dtype spares the flush a pass over every value to find out.
+        # With the kinds of the metrics kept, the dtypes of every tensor kept since the last
+        # flush (or more; None: unknown, after a resume): one dtype spares the flush a pass over
+        # every value to find out. The checked path adds what the kinds do not say.
         self._dtypes: set[torch.dtype] | None = set()
         self.step = 0
         """Number of ``log(...)`` calls so far."""
@@ -215,8 +216,7 @@ class detach_logging(_log_state.LogState):
         self._values = {}
         self._calls_since_flush = 0
         self._restored = set()
-        # What the next values can be without a full check: their metric's kind.
-        self._dtypes = {kind[0] for kind in self._kinds.values() if kind[0] is not None}
+        self._dtypes = set()  # the next values' dtypes: their metrics' kinds, unless checked
         if not reduced:  # a cross-rank flush where no rank had logged anything
             return
         self.last = reduced
@@ -254,8 +254,21 @@ class detach_logging(_log_state.LogState):
     def _reduce(self, values: dict[str, list[Value]], across: bool) -> dict[str, float]:
         if across:
             return reduce_across_ranks(values, self._how)
-        dtypes = self._dtypes
-        return reduce_local(values, self._how, one_dtype=dtypes is not None and len(dtypes) < 2)
+        return reduce_local(values, self._how, one_dtype=self._one_dtype(values))
+
+    def _one_dtype(self, values: dict[str, list[Value]]) -> bool:
+        """Whether every tensor kept has one dtype, known without reading one (a value of a
+        metric is its kind's dtype, or was added to ``_dtypes`` by the checked path)."""
+        if self._dtypes is None:
+            return False
+        found, kinds = set(self._dtypes), self._kinds
+        for name in values:
+            kind = kinds.get(name)
+            if kind is None:  # kept by a call whose kinds are set after its flush: not known
+                return False
+            if kind[0] is not None:  # None: a Python number's kind
+                found.add(kind[0])
+        return len(found) < 2
 
     def __enter__(self) -> detach_logging:
         return self

@@ -77,14 +77,15 @@ def record_checked(
     self._calls_since_flush += 1
     if flushes:
         flush_call(self, [name for name, _ in checked], before, unmarked)
-    kinds = self._kinds
+    kinds, kept = self._kinds, self._dtypes
     for name, value in checked:
+        old = kinds.get(name)
+        if kept is not None and old is not None and old[0] is not None:
+            kept.add(old[0])  # values of the kind replaced may still be kept
         if isinstance(value, torch.Tensor):
             kinds[name] = (value.dtype, value.device, value.device.type == "cpu")
         else:
             kinds[name] = NUMBER
-    if flushes and self._dtypes is not None:  # the next interval's, from kinds set just now
-        self._dtypes |= dtypes
 
 
 def flush_call(

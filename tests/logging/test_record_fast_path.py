@@ -279,6 +279,32 @@ def test_a_flush_knows_its_values_share_one_dtype_without_reading_each() -> None
     assert log.flush() == {"n": float(2**40 + 3), "q": 0.5}
 
 
+def test_a_metric_of_another_dtype_logged_long_ago_costs_later_flushes_nothing() -> None:
+    """What the flush knows comes from the metrics it holds: an int64 metric logged once, and
+    flushed, does not make every later float32 flush look at each value again."""
+    log = loopkit.detach_logging(every=None, sink=None)
+    log(epoch=torch.tensor(0), loss=torch.tensor(1.0))
+    log.flush()
+    for _ in range(3):
+        for i in range(20):
+            log(loss=torch.tensor(i / 2))
+        with _Getters() as seen:
+            assert log.flush() == {"loss": math.fsum(i / 2 for i in range(20)) / 20}
+        assert seen.count < 5, seen.count
+
+
+def test_a_metric_switching_dtype_mid_interval_keeps_its_earlier_values_exact() -> None:
+    """A metric logged float32 through the fast path (its kind from an earlier interval), then
+    as an int64 count in the same interval: the flush widens each dtype apart (stacked
+    together, the count would be rounded to float32)."""
+    log = loopkit.detach_logging(every=None, sink=None, reduce="sum")
+    log(m=torch.tensor(0.5))
+    log.flush()
+    log(m=torch.tensor(0.25))  # the fast path: m's kind is float32 since the last interval
+    log(m=torch.tensor(2**40 + 1))  # checked: m's kind becomes int64
+    assert log.flush() == {"m": 2**40 + 1.25}
+
+
 class _Getters(torch.overrides.TorchFunctionMode):
     """Counts the torch functions and tensor attribute reads run under it."""
 
