@@ -22,7 +22,7 @@ from . import _log_state
 from ._delivery import Delivery, as_sinks
 from ._exchange import reduce_across_ranks
 from ._recording import flush_call, record_checked, record_one, take_back
-from ._reductions import NUMBER, REDUCTIONS, Kind, Value, reduce_local
+from ._reductions import NUMBER, REDUCTIONS, Kind, Value, known_one_dtype, reduce_local
 from ._sinks import print_sink
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -254,21 +254,8 @@ class detach_logging(_log_state.LogState):
     def _reduce(self, values: dict[str, list[Value]], across: bool) -> dict[str, float]:
         if across:
             return reduce_across_ranks(values, self._how)
-        return reduce_local(values, self._how, one_dtype=self._one_dtype(values))
-
-    def _one_dtype(self, values: dict[str, list[Value]]) -> bool:
-        """Whether every tensor kept has one dtype, known without reading one (a value of a
-        metric is its kind's dtype, or was added to ``_dtypes`` by the checked path)."""
-        if self._dtypes is None:
-            return False
-        found, kinds = set(self._dtypes), self._kinds
-        for name in values:
-            kind = kinds.get(name)
-            if kind is None:  # kept by a call whose kinds are set after its flush: not known
-                return False
-            if kind[0] is not None:  # None: a Python number's kind
-                found.add(kind[0])
-        return len(found) < 2
+        one = known_one_dtype(self._dtypes, self._kinds, values)
+        return reduce_local(values, self._how, one_dtype=one)
 
     def __enter__(self) -> detach_logging:
         return self

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias, cast
 
 import torch
@@ -62,6 +62,24 @@ def reduce_local(values: Values, how: HowOf, one_dtype: bool = False) -> dict[st
             read[name] = flat[start:end]
             start = end
     return {name: reduced(how(name), read[name]) for name in values}
+
+
+def known_one_dtype(
+    dtypes: set[torch.dtype] | None, kinds: Mapping[str, Kind], names: Iterable[str]
+) -> bool:
+    """Whether every tensor kept for ``names`` has one dtype, known without reading one: a
+    kept value of a metric has its metric's kind's dtype, or one in ``dtypes`` (what the
+    checked path added; None: not known, after a resume)."""
+    if dtypes is None:
+        return False
+    found = set(dtypes)
+    for name in names:
+        kind = kinds.get(name)
+        if kind is None:  # kept by a call whose kinds are set after its flush: not known
+            return False
+        if kind[0] is not None:  # None: a Python number's kind
+            found.add(kind[0])
+    return len(found) < 2
 
 
 def _read_widened(tensors: list[torch.Tensor]) -> list[float]:

@@ -25,6 +25,7 @@ from loopkit._logging._exchange import (
 from loopkit._logging._reductions import (
     Value,
     fsum,
+    known_one_dtype,
     merge,
     partial_floats,
     partials,
@@ -257,3 +258,19 @@ def test_a_flush_of_several_dtypes_costs_two_ops_per_dtype_not_one_per_value() -
         "acc": 0.5,
         "last": float(n - 1),
     }
+
+
+def test_one_dtype_is_known_from_the_kinds_and_what_the_checked_path_added() -> None:
+    """A kept value has its metric's kind's dtype or one the checked path added: one dtype
+    among them is known without reading a value; a metric with no kind yet, or a resumed
+    interval (None), is not known."""
+    f32 = (torch.float32, CPU, True)
+    i64 = (torch.int64, CPU, True)
+    number = (None, None, None)
+    assert known_one_dtype(set(), {"loss": f32, "lr": number}, ["loss", "lr"])
+    assert known_one_dtype({torch.float32}, {"loss": f32}, ["loss"])
+    assert not known_one_dtype({torch.int64}, {"loss": f32}, ["loss"])  # a kind replaced
+    assert not known_one_dtype(set(), {"loss": f32, "n": i64}, ["loss", "n"])
+    assert known_one_dtype(set(), {"loss": f32, "n": i64}, ["loss"])  # n kept nothing
+    assert not known_one_dtype(set(), {"loss": f32}, ["loss", "new"])
+    assert not known_one_dtype(None, {"loss": f32}, ["loss"])
