@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -28,6 +29,18 @@ checks already (another model, cadence, launcher or world), or a measurement's o
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: none on this machine"
 )
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the name of every aten op run under it (``ops``, in order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kw or {}))
 
 
 def mlp(seed: int = 0, width: int = 32) -> nn.Module:

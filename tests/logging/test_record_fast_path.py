@@ -8,24 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import AtenOps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import loopkit
-
-
-class _Ops(TorchDispatchMode):
-    """Records the name of every aten op run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_repeated_call_runs_no_device_op_and_makes_no_tensor() -> None:
@@ -35,14 +23,14 @@ def test_a_repeated_call_runs_no_device_op_and_makes_no_tensor() -> None:
     log = loopkit.detach_logging(every=50, sink=got.append)
     log(loss=torch.tensor(0.5), acc=torch.tensor(1.0))  # the first call: checked in full
     values = [(torch.tensor(i / 4), torch.tensor(1.0)) for i in range(47)]
-    with loopkit.count_host_syncs() as syncs, _Ops() as seen:
+    with loopkit.count_host_syncs() as syncs, AtenOps() as seen:
         for loss, acc in values:
             log(loss=loss, acc=acc)
     assert seen.ops == [] and syncs.count == 0, (seen.ops, syncs.events)
     assert all(a is b for a, (b, _) in zip(log._values["loss"][1:], values, strict=True))
     grad = torch.tensor(2.0, requires_grad=True) * 1.0
     one = torch.tensor(1.0)
-    with _Ops() as seen:
+    with AtenOps() as seen:
         log(loss=grad, acc=one)
     assert seen.ops == ["detach"] and log._values["loss"][-1].grad_fn is None
     with loopkit.count_host_syncs() as syncs:

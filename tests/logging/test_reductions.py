@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
+from helpers import AtenOps
 
+import loopkit
 from loopkit._logging._exchange import (
     CAPACITY,
     fingerprint,
@@ -181,25 +182,12 @@ def test_a_local_flush_sums_exactly_where_a_float64_sum_rounds() -> None:
 def test_a_local_flush_is_one_stack_and_one_read_per_device() -> None:
     """However many metrics share a device and dtype, the flush stacks their values once and
     reads them in one transfer (no per-metric reduction on the device)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kw or {}))
-
-    import loopkit
-
     values: dict[str, list[Value]] = {
         "loss": [torch.tensor(float(i)) for i in range(5)],
         "acc": [torch.tensor(1.0)] * 3,
         "lr": [0.1, 0.2],
     }
-    with Ops() as seen, loopkit.count_host_syncs() as syncs:
+    with AtenOps() as seen, loopkit.count_host_syncs() as syncs:
         out = reduce_local(values, _how({"acc": "max", "lr": "last"}))
     assert seen.ops == ["stack"] and syncs.count == 1, (seen.ops, syncs.events)
     assert out == {"loss": 2.0, "acc": 1.0, "lr": 0.2}
@@ -228,19 +216,6 @@ def test_a_flush_of_several_dtypes_costs_two_ops_per_dtype_not_one_per_value() -
     """A float32 loss beside an int64 count and a bf16 accuracy: each dtype's values are
     stacked and widened once, joined, and read once (a kernel launch per value would cost a
     GPU flush far more than it saves), and the values come back in their metrics' order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kw or {}))
-
-    import loopkit
-
     n = 100
     values: dict[str, list[Value]] = {
         "loss": [torch.tensor(i / 8) for i in range(n)],
@@ -249,7 +224,7 @@ def test_a_flush_of_several_dtypes_costs_two_ops_per_dtype_not_one_per_value() -
         "last": [torch.tensor(float(i), dtype=torch.float64) for i in range(n)],
     }
     how = _how({"tokens": "sum", "acc": "max", "last": "last"})
-    with Ops() as seen, loopkit.count_host_syncs() as syncs:
+    with AtenOps() as seen, loopkit.count_host_syncs() as syncs:
         out = reduce_local(values, how)
     assert len(seen.ops) <= 2 * 4 + 1 and syncs.count == 1, (seen.ops, syncs.events)
     assert out == {
