@@ -44,10 +44,11 @@ class detach_logging(_log_state.LogState):
     ``flush()`` or leaving ``with log:``) each metric is reduced (``mean`` by default;
     ``reduce="max"`` or ``reduce={"acc": "max"}`` picks ``sum``/``max``/``min``/``last``)
     and ``sink`` gets one dict of Python floats: the values are read from the device in a
-    single transfer and reduced on the host, sums exactly rounded (``math.fsum``), so
-    integer and float64 counters stay exact on any device, and a NaN among the values always
-    comes out as NaN, for tensors and Python numbers alike. ``@log`` on a function returning
-    a scalar tensor or a dict of them records its result and returns it unchanged.
+    single transfer and reduced on the host, sums exactly rounded (``math.fsum``, so integer
+    and float64 counters stay exact on any device while each value fits a float64), and a
+    NaN among the values always comes out as NaN, for tensors and Python numbers alike.
+    ``@log`` on a function returning a scalar tensor or a dict of them records its result
+    and returns it unchanged.
 
     Under DDP, by default (``sync_ranks=None``) each rank reduces its own values with no
     collective, so logging on rank zero only is safe, and only rank zero calls the sink;

@@ -24,9 +24,10 @@ from ._window import Window
 # it, torch.compiler's or a user's, is seen). A torch without it (or a loss a torch-function
 # mode or subclass intercepts) goes through torch.autograd.backward.
 _intercepted = torch._C._has_torch_function_unary
+_functorch_active = torch._C._are_functorch_transforms_active
+
 LossKind = tuple[torch.dtype, torch.device, bool]
 """A plain 0-d floating loss's dtype, device and whether that is the CPU (a log's Kind)."""
-_functorch_active = torch._C._are_functorch_transforms_active
 
 
 class Weighting:
