@@ -14,7 +14,11 @@ The limit is the fastest the same step can run:
   per op at all;
 - on a CPU, where there is no graph to replay, the hand-written loop itself.
 
-    python benchmarks/host_bound.py [--quick] [--json] [--device cpu|cuda]
+    python benchmarks/host_bound.py [--quick] [--json] [--device cpu|cuda] [--bf16] [--compiled]
+
+``--bf16`` runs every contender under bf16 autocast (the graph captures it too);
+``--compiled`` adds the same two loops on ``torch.compile(model, mode="reduce-overhead")``
+(on CUDA: the forward and backward replayed as CUDA graphs by torch, the optimizer eager).
 
 loopkit's runs end bit-identical to the hand-written loop (checked before timing). The
 graph's run is not compared bit for bit (its warm-up steps train the model too); its
@@ -24,6 +28,7 @@ first losses are checked to fall as the eager loop's do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -61,11 +66,22 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
+BF16 = False  # --bf16: every contender under bf16 autocast
+
+
+def _autocast(model: nn.Module, cache: bool = True) -> contextlib.AbstractContextManager[None]:
+    if not BF16:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, cache_enabled=cache)
+
+
 def hand(model: nn.Module, data: list[Batch], steps: int, clip: float | None = None) -> None:
     opt = _sgd(model)
     for i in range(steps):
         x, y = data[i % len(data)]
-        loss = nn.functional.mse_loss(model(x), y)
+        with _autocast(model):
+            loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         if clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -74,7 +90,8 @@ def hand(model: nn.Module, data: list[Batch], steps: int, clip: float | None = N
 
 
 def with_step(model: nn.Module, data: list[Batch], steps: int, clip: float | None = None) -> None:
-    step = loopkit.step(model, _sgd(model), clip_grad_norm=clip)
+    step = loopkit.step(model, _sgd(model), clip_grad_norm=clip,
+                        precision="bf16" if BF16 else "fp32")  # fmt: skip
     for i in range(steps):
         x, y = data[i % len(data)]
         with step as s:
@@ -90,13 +107,17 @@ def cuda_graph(model: nn.Module, data: list[Batch], steps: int) -> None:
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch's docs require
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(static_x), static_y).backward()
+            with _autocast(model, cache=False):
+                loss = nn.functional.mse_loss(model(static_x), static_y)
+            loss.backward()
             opt.step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
-        static_loss = nn.functional.mse_loss(model(static_x), static_y)
+        # autocast's weight cache off: a cast cached at capture would be replayed stale.
+        with _autocast(model, cache=False):
+            static_loss = nn.functional.mse_loss(model(static_x), static_y)
         static_loss.backward()
         opt.step()
     LOSSES.append(static_loss)  # read after the run (the graph writes it at each replay)
@@ -105,6 +126,28 @@ def cuda_graph(model: nn.Module, data: list[Batch], steps: int) -> None:
         static_x.copy_(x)
         static_y.copy_(y)
         graph.replay()
+
+
+_COMPILED: dict[str, nn.Module] = {}
+
+
+def compiled(
+    runner: Callable[[nn.Module, list[Batch], int], None], name: str
+) -> Callable[[nn.Module, list[Batch], int], None]:
+    """``runner`` on one ``torch.compile(mode="reduce-overhead")`` module per contender, its
+    weights reset from the run's fresh model (in place: no recompile, the graphs' addresses
+    kept)."""
+
+    def run(model: nn.Module, data: list[Batch], steps: int) -> None:
+        if name not in _COMPILED:
+            _COMPILED[name] = torch.compile(build(data[0][0].device), mode="reduce-overhead")
+        target = _COMPILED[name]
+        with torch.no_grad():
+            for dst, src in zip(target.parameters(), model.parameters(), strict=True):
+                dst.copy_(src)
+        runner(target, data, steps)
+
+    return run
 
 
 LOSSES: list[torch.Tensor] = []
@@ -146,7 +189,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast in every contender")
+    parser.add_argument("--compiled", action="store_true",
+                        help='add both loops on torch.compile(mode="reduce-overhead")')  # fmt: skip
     args = parser.parse_args(argv)
+    global BF16
+    BF16 = args.bf16
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -156,6 +204,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         CONTENDERS["CUDA graph (the limit)"] = cuda_graph
         names.append("CUDA graph (the limit)")
         limit = "CUDA graph (the limit)"
+    if args.compiled:
+        for base in ("hand-written", "loopkit.step"):
+            CONTENDERS[f"{base}, compiled"] = compiled(CONTENDERS[base], base)
+            names.append(f"{base}, compiled")
     check_parity(device)
     steps, rounds = (100, 3) if args.quick else (1000, 9)
     data = make_data(device)
@@ -169,18 +221,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in names:
         per_round = [a / b for a, b in zip(samples[name], samples[limit], strict=True)]
         rows.append({
-            "device": device.type, "contender": name,
+            "device": device.type, "precision": "bf16" if BF16 else "fp32", "contender": name,
             "us_per_step": round(statistics.median(samples[name]), 2),
             "ratio_to_limit": round(statistics.median(per_round), 4),
             "limit": limit,
         })  # fmt: skip
     if LOSSES:  # the graph trained: its loss after the run is finite
-        rows[-1]["last_loss"] = float(LOSSES[-1])
+        next(r for r in rows if r["contender"] == limit)["last_loss"] = float(LOSSES[-1].detach())
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"torch {torch.__version__}, {device}, batch {BATCH}, {DEPTH} hidden layers of "
-              f"{WIDTH}, one update per batch; the limit: {limit}\n")  # fmt: skip
+        print(f"torch {torch.__version__}, {device}, {'bf16' if BF16 else 'fp32'}, batch "
+              f"{BATCH}, {DEPTH} hidden layers of {WIDTH}, one update per batch; the limit: "
+              f"{limit}\n")  # fmt: skip
         print("| contender | us / step | ratio to the limit |")
         print("|---|---|---|")
         for r in rows:

@@ -81,7 +81,9 @@ class ProgressDisplay:
                 )  # fmt: skip
         # tqdm redraws at its own pace; the postfix (rates, metrics) and the plain line are
         # refreshed at most once per interval.
-        self.interval = interval if interval is not None else (0.5 if self._bar else 10.0)
+        self.interval = (
+            interval if interval is not None else (0.5 if self._bar is not None else 10.0)
+        )
         self._next = self._start + self.interval
         self.lines: list[str] = []  # the plain lines printed (also what a test reads)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,31 @@ def test_tqdm_draws_the_bar_with_the_status_as_postfix() -> None:
     display.close()
     text = out.getvalue()
     assert "3/8" in text and "samples/s" in text
+
+
+@pytest.mark.parametrize("total", [None, 0])
+def test_the_bar_of_an_unknown_or_empty_total_refreshes_at_the_bar_pace(total: int | None) -> None:
+    """A stream with no len() (tqdm's bool() raises) or none left: the bar is built and the
+    status refreshed each half second, not every ten."""
+    watched, out = _Watched(), io.StringIO()
+    display = ProgressDisplay(watched, dict, dict, total, use_tqdm=True, file=out)
+    assert display.interval == 0.5
+    watched.updates = 2
+    display.close()
+    assert "2update" in out.getvalue().replace(" ", "")
+
+
+def test_iterate_over_a_stream_with_no_length_shows_the_bar() -> None:
+    """step.iterate(generator, progress=True): the updates drawn, the loop's results kept."""
+    model = nn.Linear(3, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    out = io.StringIO()
+    stream = (torch.randn(4, 3) for _ in range(6))
+    with contextlib.redirect_stderr(out):
+        for x in step.iterate(stream, progress=True):
+            with step as s:
+                s.backward(model(x).pow(2).mean())
+    assert step.updates == 3 and "3update" in out.getvalue().replace(" ", "")
 
 
 def _loop(tmp: Path, progress: str, max_updates: int | None = None,

@@ -169,6 +169,7 @@ def _probed_run(probe: bool, oom: str | None, shard: bool = True) -> list[torch.
     """FSDP2 over each Linear (or no wrapping), AdamW, a probe or none, then 2 updates of
     accumulate=2: the weights and AdamW's state. ``oom``: the probe's 8-sample trial dies in
     its "forward" or its "backward" (between the two Linears)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -176,8 +177,10 @@ def _probed_run(probe: bool, oom: str | None, shard: bool = True) -> list[torch.
     model = nn.Sequential(nn.Linear(8, 16), gate, nn.Tanh(), nn.Linear(16, 2))
     if oom == "backward":
         gate.forward = _OOMInBackward.apply  # type: ignore[method-assign]
+    # The mesh named: on a machine with a GPU, fully_shard's default mesh would be on it.
+    mesh = init_device_mesh("cpu", (1,)) if shard else None
     for layer in (model[0], model[3], model) if shard else ():
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     if probe:
         big = (torch.randn(8, 8) * 10, torch.randn(8, 2) * 10)
