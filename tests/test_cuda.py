@@ -8,6 +8,7 @@ without blocking, the CUDA RNG saved and restored, and host syncs counted by the
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 from pathlib import Path
@@ -21,6 +22,8 @@ from torch import nn
 import loopkit
 from loopkit import distributed
 from loopkit._observe._cuda_sync_warnings import CudaSyncCounter
+from loopkit._observe._progress import ProgressDisplay
+from loopkit._step import _feed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EVERY, LOG_EVERY = 4, 8
@@ -79,9 +82,20 @@ def _syncs(counter: Any) -> int:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_full_step_syncs_only_at_the_log_flush(device: str) -> None:
+def test_a_full_step_syncs_only_at_the_log_flush(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pinned host batches moved by iterate, bf16, accumulation, clipping, a scheduler, an
-    EMA, the log and a progress bar: no host sync on any micro-step but the flush's one."""
+    EMA, the log and a progress bar redrawn at every micro-step: no host sync on any
+    micro-step but the flush's one, none when the pass ends."""
+    refreshes: list[int] = []
+
+    class EveryTick(ProgressDisplay):  # the bar redrawn at each tick, each redraw counted
+        def _refresh(self, now: float) -> None:
+            refreshes.append(self._watched.updates)
+            super()._refresh(now)
+
+    monkeypatch.setattr(_feed, "ProgressDisplay", functools.partial(EveryTick, interval=0.0))
     host = [(x.pin_memory(), y.pin_memory()) if device == "cuda" else (x, y)
             for x, y in _batches(8, "cpu")]  # fmt: skip
     model = _model(device)
@@ -107,12 +121,14 @@ def test_a_full_step_syncs_only_at_the_log_flush(device: str) -> None:
                     with step as s:
                         loss = nn.functional.mse_loss(model(x), y)
                         s.backward(loss)
-            if batch is None:
-                break
             counts.append(_syncs(counter))
+            if batch is None:  # the pass ended: the bar's last redraw and close
+                break
             losses.append(loss.detach().float().cpu())
     # The first micro-step's checks may read; after it, the flush's one read of the log alone.
-    assert counts[1:] == [1 if (i + 1) % LOG_EVERY == 0 else 0 for i in range(1, 3 * LOG_EVERY)]
+    flushes = [1 if (i + 1) % LOG_EVERY == 0 else 0 for i in range(1, 3 * LOG_EVERY)]
+    assert counts[1:] == [*flushes, 0]
+    assert len(refreshes) >= 3 * LOG_EVERY and refreshes[-1] == 3 * LOG_EVERY // EVERY
     assert step.updates == 3 * LOG_EVERY // EVERY and len(flushed) == 3
     expected = [float(torch.stack(losses[i : i + LOG_EVERY]).double().mean())
                 for i in range(0, 3 * LOG_EVERY, LOG_EVERY)]  # fmt: skip

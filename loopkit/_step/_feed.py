@@ -127,7 +127,7 @@ def total_updates(clock: Any, iterable: object, every: int) -> int | None:
     max_updates, max_epochs = LIMITS.get(clock, (None, None))
     try:
         batches = len(iterable)  # type: ignore[arg-type]
-    except TypeError:
+    except Exception:  # no len(), or one that raises (as _last_batch.counted_length takes it)
         return max_updates
     per_pass = math.ceil(batches / every)
     if max_epochs is not None:

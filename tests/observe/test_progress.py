@@ -6,6 +6,7 @@ import contextlib
 import io
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -84,6 +85,38 @@ def test_iterate_over_a_stream_with_no_length_shows_the_bar() -> None:
             with step as s:
                 s.backward(model(x).pow(2).mean())
     assert step.updates == 3 and "3update" in out.getvalue().replace(" ", "")
+
+
+class _LenRaises(torch.utils.data.IterableDataset[torch.Tensor]):
+    """Six batches whose ``__len__`` raises ``error`` (not the TypeError of no length)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __iter__(self) -> Any:
+        return (torch.randn(4, 3) for _ in range(6))
+
+    def __len__(self) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [NotImplementedError("no length"), ValueError("negative")])
+@pytest.mark.parametrize("limit", [None, 3])
+def test_a_stream_totals_from_until_or_not_at_all(error: Exception, limit: int | None) -> None:
+    """A stream whose len() raises (any error, as the look-ahead takes it): the plain display
+    totals from until(max_updates=) or shows '?', and the loop trains as without progress."""
+    model = nn.Linear(3, 1)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), loopkit.until(step, max_updates=limit) as stop:
+        for x in step.iterate(_LenRaises(error), progress="plain"):
+            with step as s:
+                s.backward(model(x).pow(2).mean())
+            if stop.check():
+                break
+    done = 3 if limit is None else limit
+    assert step.updates == done
+    assert out.getvalue().splitlines()[-1].startswith(f"update {done}/{limit or '?'}")
 
 
 def _loop(tmp: Path, progress: str, max_updates: int | None = None,
