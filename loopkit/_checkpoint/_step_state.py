@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Collection, Mapping
+from typing import Any, cast
 
 from .._errors import CheckpointError
 from .._step import _accumulate, _compose, _group
@@ -35,6 +36,7 @@ class StepState(UserState):
         super().__init__(step)
         self.step, self.who = step, who
         self.accumulator = step.accumulator if isinstance(step, _compose.step) else step
+        self.seen = step.seen if isinstance(step, _compose.step) else None
         log = step.log if isinstance(step, _compose.step) else None
         # The step's own log (it plots against this step), unless extra= saves it.
         own_log = log is not None and log.clock is step and id(log) not in elsewhere
@@ -141,7 +143,8 @@ class StepState(UserState):
             )
 
     def snapshot(self) -> object:
-        return copied(self.state_dict())
+        # What was seen, exactly: a load also marks the next pass as the saved one going on.
+        return copied(self.state_dict()), None if self.seen is None else self.seen.snapshot()
 
     def load_state_dict(self, saved: object) -> None:
         state = expect(saved, Mapping, "'step'")
@@ -164,7 +167,10 @@ class StepState(UserState):
                 average.load_state_dict(ema_state)
 
     def restore(self, snapshot: object) -> None:
-        self.load_state_dict(snapshot)
+        state, seen = cast("tuple[object, Any]", snapshot)  # as snapshot() made it
+        self.load_state_dict(state)
+        if self.seen is not None:
+            self.seen.restore(seen)
 
     def saved_updates(self, saved: object) -> int:
         """The update count in a checked saved state."""
@@ -215,7 +221,7 @@ class StepsState(UserState):
             raise CheckpointError("damaged checkpoint: the group's 'updates' is negative")
 
     def snapshot(self) -> object:
-        return copied(self.state_dict())
+        return copied(self.state_dict()), [m.seen.snapshot() for m in self.group.members]
 
     def load_state_dict(self, saved: object) -> None:
         state = expect(saved, Mapping, "'step'")
@@ -226,7 +232,10 @@ class StepsState(UserState):
             piece.load_owned(member)
 
     def restore(self, snapshot: object) -> None:
-        self.load_state_dict(snapshot)
+        state, seen = cast("tuple[object, list[Any]]", snapshot)  # as snapshot() made it
+        self.load_state_dict(state)
+        for member, member_seen in zip(self.group.members, seen, strict=True):
+            member.seen.restore(member_seen)
 
     def saved_updates(self, saved: object) -> int:
         """The clock's windows in a checked saved state."""

@@ -30,13 +30,16 @@ LIMITS: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None]] = weakref.
 class Seen:
     """Samples, tokens and passes handed to the loop by ``iterate`` (all ranks together)."""
 
-    __slots__ = ("epoch", "passes", "samples", "tokens")
+    __slots__ = ("_length", "_resumed", "batches", "epoch", "passes", "samples", "tokens")
 
     def __init__(self) -> None:
         self.samples = 0
         self.tokens = 0
         self.passes = 0
         self.epoch: int | None = None  # of the pass being iterated, where the loader says
+        self.batches = 0  # handed out in the pass being iterated (0 once it ended)
+        self._length: int | None = None  # that pass's len(), where it has one
+        self._resumed = 0  # a restored pass left open: the batches it had handed out
 
     def axes(self) -> dict[str, float]:
         """The x-axes known so far (tokens only once counted)."""
@@ -53,13 +56,34 @@ class Seen:
         """``source`` has handed out its pass's first batch: its epoch is known now."""
         epoch = getattr(getattr(source, "_progress", None), "pass_epoch", None)
         self.epoch = epoch if isinstance(epoch, int) else None
-        # A loader that knows its epoch says which pass this is (a pass resumed mid-way is
-        # the same pass); another iterable counts its passes.
-        self.passes = epoch + 1 if isinstance(epoch, int) else self.passes + 1
+        # A loader that knows its epoch says which pass this is; another iterable counts its
+        # passes, and the first after a restore continues a pass saved part-way (a stateful
+        # loader resumes it; one restarted from its start is still that epoch's pass).
+        if isinstance(epoch, int):
+            self.passes = epoch + 1
+        elif not self._resumed:
+            self.passes += 1
+        # A stateful loader goes on from where it was saved; another starts the pass again.
+        self.batches = self._resumed if stateful(source) else 0
+        self._resumed, self._length = 0, _length(source)
+
+    def end_pass(self) -> None:
+        """The pass ran out (not left by a ``break``): none is open now."""
+        self.batches = self._resumed = 0
+
+    def open_batches(self) -> int:
+        """The batches handed out by a pass still open (not all of its ``len()``), or 0."""
+        done, length = self.batches, self._length
+        return done if length is None or done < length else 0
+
+    def resumed_batches(self) -> int:
+        """Where a restored pass left open was saved (until its next pass begins), or 0."""
+        return self._resumed
 
     def state_dict(self) -> dict[str, int]:
         """The counters a resumed run continues from."""
-        return {"samples": self.samples, "tokens": self.tokens, "passes": self.passes}
+        return {"samples": self.samples, "tokens": self.tokens, "passes": self.passes,
+                "pass_batches": self.open_batches()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Restore ``state_dict``'s counters (a checkpoint from before they existed: zeros)."""
@@ -68,6 +92,32 @@ class Seen:
         self.samples = int(state.get("samples", 0))
         self.tokens = int(state.get("tokens", 0))
         self.passes = int(state.get("passes", 0))
+        # The next pass goes on with the one saved part-way (saved again, it still is).
+        done = int(state.get("pass_batches", 0))
+        self.batches, self._length, self._resumed = done, None, done
+
+    def snapshot(self) -> tuple[int, int | None, int]:
+        """What ``load_state_dict`` changes beyond ``state_dict``: a failed resume puts it back
+        (a pass left by a ``break`` stays one whose next pass is new)."""
+        return self.batches, self._length, self._resumed
+
+    def restore(self, snapshot: tuple[int, int | None, int]) -> None:
+        """Put back what ``snapshot`` read."""
+        self.batches, self._length, self._resumed = snapshot
+
+
+def stateful(source: object) -> bool:
+    """A loader that a checkpoint puts back part-way (``distributed.loader``, torchdata's)."""
+    return hasattr(source, "_progress") or callable(getattr(source, "load_state_dict", None))
+
+
+def _length(source: object) -> int | None:
+    """``len(source)``, or None where it has none (or one that raises)."""
+    try:
+        n = len(source)  # type: ignore[arg-type]
+    except Exception:
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
 
 
 def counted(
@@ -98,9 +148,11 @@ def counted(
                 seen.tokens += count * world
                 if doctor is not None:  # its tokens/s and FLOP figures per this rank
                     doctor.count(tokens=count)
+            seen.batches += 1  # before the yield: a save in this micro-step counts it
             yield batch
             if display is not None:
                 display.tick()
+        seen.end_pass()
     finally:
         if display is not None:
             display.close()
@@ -121,13 +173,13 @@ def chunk_weight(step: Any, weight: Any) -> Any:
     return share
 
 
-def total_updates(clock: Any, iterable: object, every: int) -> int | None:
+def total_updates(clock: Any, iterable: object, every: int, seen: Seen) -> int | None:
     """The updates at the end of training (``until``'s limits, the first reached) or of this
-    pass, if known. Called before the pass starts (a resumed pass's place is `resume_at`)."""
+    pass, if known. Called before the pass starts (a resumed pass's place is `resume_at`, or
+    where ``seen`` was saved for a stateful loader the checkpoint put back)."""
     max_updates, max_epochs = LIMITS.get(clock, (None, None))
-    try:
-        batches = len(iterable)  # type: ignore[arg-type]
-    except Exception:  # no len(), or one that raises (as _last_batch.counted_length takes it)
+    batches = _length(iterable)  # (a len() that raises: none, as the look-ahead takes it)
+    if batches is None:
         return max_updates
     per_pass = math.ceil(batches / every)
     if max_epochs is not None:
@@ -136,7 +188,9 @@ def total_updates(clock: Any, iterable: object, every: int) -> int | None:
     if max_updates is not None:
         return max_updates
     # A resumed pass of a distributed.loader starts part-way: iter() clears `resume_at`.
-    done_in_pass = getattr(getattr(iterable, "_progress", None), "resume_at", 0)
+    done_in_pass = getattr(getattr(iterable, "_progress", None), "resume_at", None)
+    if done_in_pass is None:  # another loader: resumed part-way if its state was restored
+        done_in_pass = seen.resumed_batches() if stateful(iterable) else 0
     return int(clock.updates) + math.ceil(max(batches - done_in_pass, 0) / every)
 
 
@@ -156,7 +210,8 @@ def iterate(
         )
     doc, mover = step.doctor, step._mover
     # Before anything below starts the pass (a generator's iter()): its place is still known.
-    total = total_updates(step.accumulator, iterable, step.accumulator.every) if progress else None
+    acc = step.accumulator
+    total = total_updates(acc, iterable, acc.every, step.seen) if progress else None
     # A distributed.loader's pass started here is training's from its start (``_passes``).
     started = training_iter(iterable)
     if doc is None:

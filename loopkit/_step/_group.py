@@ -136,6 +136,7 @@ class steps:
                     if index == 0:
                         m.seen.begin_pass(iterable)
                     m.seen.samples += samples
+                    m.seen.batches += 1
                 ends = last or (index + 1) % self.every == 0
                 if ends:  # counted as the window's batch begins, so a save in it has its number
                     self.updates += 1
@@ -166,6 +167,8 @@ class steps:
                     if item_ends:
                         self._close_windows()
                 index += 1
+            for m in self.members:
+                m.seen.end_pass()
             self.flush(logs=False)  # ended before the batch counted last: its window closes
         finally:
             for acc in accs:

@@ -331,3 +331,37 @@ def test_a_place_saved_by_other_workers_is_refused_naming_num_workers(tmp_path: 
     with pytest.raises(loopkit.CheckpointError, match="num_workers=2"):
         ckpt.resume()
     assert other.next_iter_state is None
+
+
+def _epochs_run(tmp: Path, save_at: int | None, resume: bool, passes: int) -> list[Any]:
+    """``passes`` passes of a StatefulDataLoader (6 batches, accumulate=2), saved and left at
+    update ``save_at``: after each micro-step, the update and the log's epoch axis."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    loader = StatefulDataLoader(TensorDataset(torch.randn(24, 3)), batch_size=4)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
+    if resume:
+        ckpt.resume()
+    seen: list[Any] = []
+    for _ in range(passes):
+        for (x,) in step.iterate(loader):
+            with step as s:
+                s.backward(model(x).pow(2).mean())
+            seen.append((step.updates, step.seen.axes()["epoch"]))
+            if step.updates == save_at and step.accumulator.micro_step == 0:
+                ckpt.save()
+                return seen
+    return seen
+
+
+@pytest.mark.parametrize("save_at", [2, 3, 4])
+def test_the_epoch_axis_goes_on_with_the_resumed_pass(tmp_path: Path, save_at: int) -> None:
+    """Saved part-way through a pass (or after its last batch: update 3), resumed: every
+    micro-step's epoch axis is the uninterrupted run's (it counted the resumed pass anew)."""
+    whole = _epochs_run(tmp_path / "whole", None, False, 3)
+    first = _epochs_run(tmp_path / "run", save_at, False, 3)
+    # Resumed after a pass's last batch, the loader's next pass hands out nothing.
+    rest = _epochs_run(tmp_path / "run", None, True, 3 - (save_at - 1) // 3)
+    assert first + rest == whole

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,133 @@ def test_a_stream_totals_from_until_or_not_at_all(error: Exception, limit: int |
     done = 3 if limit is None else limit
     assert step.updates == done
     assert out.getvalue().splitlines()[-1].startswith(f"update {done}/{limit or '?'}")
+
+
+class _Resumable:
+    """A sized stateful loader, as torchdata's StatefulDataLoader: len() is the whole pass,
+    and a restored state goes on from the batch it was saved after."""
+
+    def __init__(self, n: int = 6) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data, self.at = [torch.randn(4, 3, generator=g) for _ in range(n)], 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Any:
+        while self.at < len(self.data):
+            self.at += 1
+            yield self.data[self.at - 1]
+        self.at = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
+def _passes_run(
+    tmp: Path, loader: Any, save_at: int | None, resume: bool, passes: int
+) -> list[Any]:
+    """``passes`` calls of ``step.iterate(loader)`` (accumulate=2), left at update ``save_at``
+    after saving (resumed into fresh objects with ``resume``): after each micro-step the
+    update and the epoch axis, after each pass the display's last line."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    owner = loader if isinstance(loader, _Resumable) else None
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=owner)
+    if resume:
+        ckpt.resume()
+    seen: list[Any] = []
+    for _ in range(passes):
+        out = io.StringIO()
+        with contextlib.redirect_stderr(out):
+            for x in step.iterate(loader, progress="plain"):
+                with step as s:
+                    s.backward(model(x).pow(2).mean())
+                seen.append((step.updates, step.seen.axes()["epoch"]))
+                if step.updates == save_at and step.accumulator.micro_step == 0:
+                    ckpt.save()
+                    return seen
+        if out.getvalue():  # (a pass resumed after its last batch hands out none)
+            seen.append(out.getvalue().splitlines()[-1].split(" | ")[0])
+    return seen
+
+
+@pytest.mark.parametrize("save_at", [1, 2, 3, 5])
+def test_a_stateful_loader_resumed_part_way_keeps_its_epoch_and_total(
+    tmp_path: Path, save_at: int
+) -> None:
+    """A stateful loader that is not a distributed.loader (as torchdata's): saved part-way
+    through a pass (or after its last batch: update 3), resumed by fresh objects, the log's
+    epoch axis and the display's totals are the uninterrupted run's."""
+    whole = _passes_run(tmp_path / "whole", _Resumable(), None, False, 3)
+    first = _passes_run(tmp_path / "run", _Resumable(), save_at, False, 3)
+    rest = _passes_run(tmp_path / "run", _Resumable(), None, True, 3 - (save_at - 1) // 3)
+    steps = [r for r in first + rest if isinstance(r, tuple)]
+    assert steps == [r for r in whole if isinstance(r, tuple)]
+    lines = ["update 3/3", "update 6/6", "update 9/9"]  # the passes the resumed run ends
+    assert [r for r in whole if isinstance(r, str)] == lines
+    assert [r for r in rest if isinstance(r, str)] == lines[len(lines) - (3 - save_at // 3) :]
+
+
+def test_a_list_resumed_part_way_starts_that_epoch_again() -> None:
+    """A list (no state: its pass starts again): saved at update 2 of epoch 1, then saved at
+    update 4 in the restarted epoch 1 and resumed again: every micro-step of it says epoch 1,
+    the next pass epoch 2, and the display totals the restarted pass in full."""
+    data = _Resumable().data
+    with tempfile.TemporaryDirectory() as tmp:
+        first = _passes_run(Path(tmp), data, 5, False, 3)
+        again = _passes_run(Path(tmp), data, 7, True, 3)
+        last = _passes_run(Path(tmp), data, None, True, 2)
+    epoch_0 = [(0, 0), (1, 0), (1, 0), (2, 0), (2, 0), (3, 0), "update 3/3"]
+    assert first == [*epoch_0, (3, 1), (4, 1), (4, 1), (5, 1)]
+    assert again == [(5, 1), (6, 1), (6, 1), (7, 1)]
+    restarted = [(7, 1), (8, 1), (8, 1), (9, 1), (9, 1), (10, 1), "update 10/10"]
+    assert last == [
+        *restarted,
+        (10, 2),
+        (11, 2),
+        (11, 2),
+        (12, 2),
+        (12, 2),
+        (13, 2),
+        "update 13/13",
+    ]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_failed_resume_leaves_a_pass_left_by_break_as_it_was(tmp_path: Path, fail: bool) -> None:
+    """Saved after a ``break`` mid-pass, then a resume that fails (the model's load refuses):
+    the next ``iterate`` of the live run is a new pass (epoch 1), as with no resume at all; a
+    resume that succeeds goes on with the saved pass (epoch 0)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    ckpt = loopkit.Checkpointer(tmp_path, model=model, optimizer=opt, step=step)
+    data = _Resumable().data
+    for x in step.iterate(data):
+        with step as s:
+            s.backward(model(x).pow(2).mean())
+        if step.updates == 1:
+            break
+    ckpt.save()
+    if fail:
+
+        def refuse(*args: Any) -> None:
+            raise RuntimeError("this module's own loading hook refuses")
+
+        model.register_load_state_dict_pre_hook(refuse)
+        with pytest.raises(loopkit.CheckpointError, match="refuses"):
+            ckpt.resume()
+    else:
+        ckpt.resume()
+    x = next(iter(step.iterate(data)))
+    assert step.seen.axes()["epoch"] == (1 if fail else 0)
 
 
 def _loop(tmp: Path, progress: str, max_updates: int | None = None,
