@@ -30,7 +30,7 @@ LIMITS: weakref.WeakKeyDictionary[Any, tuple[int | None, int | None]] = weakref.
 class Seen:
     """Samples, tokens and passes handed to the loop by ``iterate`` (all ranks together)."""
 
-    __slots__ = ("_length", "_resumed", "batches", "epoch", "passes", "samples", "tokens")
+    __slots__ = ("_length", "_live", "_resumed", "batches", "epoch", "passes", "samples", "tokens")
 
     def __init__(self) -> None:
         self.samples = 0
@@ -40,6 +40,7 @@ class Seen:
         self.batches = 0  # handed out in the pass being iterated (0 once it ended)
         self._length: int | None = None  # that pass's len(), where it has one
         self._resumed = 0  # a restored pass left open: the batches it had handed out
+        self._live = False  # a pass is being iterated (its generator not closed)
 
     def axes(self) -> dict[str, float]:
         """The x-axes known so far (tokens only once counted)."""
@@ -65,16 +66,24 @@ class Seen:
             self.passes += 1
         # A stateful loader goes on from where it was saved; another starts the pass again.
         self.batches = self._resumed if stateful(source) else 0
-        self._resumed, self._length = 0, _length(source)
+        self._resumed, self._length, self._live = 0, _length(source), True
 
     def end_pass(self) -> None:
         """The pass ran out (not left by a ``break``): none is open now."""
         self.batches = self._resumed = 0
 
+    def leave(self) -> None:
+        """The pass's generator closed: it ran out, or the loop left it (``break``), and the
+        loop's next ``iterate`` is a new pass."""
+        self._live = False
+
     def open_batches(self) -> int:
-        """The batches handed out by a pass still open (not all of its ``len()``), or 0."""
+        """Where a pass that the next ``iterate`` goes on with stands: one being iterated (not
+        all of its ``len()`` handed out), or a restored one not yet begun; else 0."""
+        if self._resumed:
+            return self._resumed
         done, length = self.batches, self._length
-        return done if length is None or done < length else 0
+        return done if self._live and (length is None or done < length) else 0
 
     def resumed_batches(self) -> int:
         """Where a restored pass left open was saved (until its next pass begins), or 0."""
@@ -92,9 +101,11 @@ class Seen:
         self.samples = int(state.get("samples", 0))
         self.tokens = int(state.get("tokens", 0))
         self.passes = int(state.get("passes", 0))
-        # The next pass goes on with the one saved part-way (saved again, it still is).
         done = int(state.get("pass_batches", 0))
-        self.batches, self._length, self._resumed = done, None, done
+        if self._live:  # loaded under a pass being iterated: that pass goes on
+            self.batches = done
+        else:  # a resume: the next pass goes on with the one saved part-way
+            self.batches, self._length, self._resumed = done, None, done
 
     def snapshot(self) -> tuple[int, int | None, int]:
         """What ``load_state_dict`` changes beyond ``state_dict``: a failed resume puts it back
@@ -127,9 +138,11 @@ def counted(
     tokens: Callable[[T], int] | None,
     display: ProgressDisplay | None,
     doctor: Any = None,
+    whole: bool = True,
 ) -> Iterator[T]:
     """Hand out ``batches`` (after the lookahead), counting each, ticking the display after
-    each micro-step. ``source`` is what the loop iterates (its epoch, if it has one)."""
+    each micro-step. ``source`` is what the loop iterates (its epoch, if it has one);
+    ``whole``: each item is a batch (not a chunk of one)."""
     world = _ranks.world()[1]
     first = True
     try:
@@ -148,12 +161,14 @@ def counted(
                 seen.tokens += count * world
                 if doctor is not None:  # its tokens/s and FLOP figures per this rank
                     doctor.count(tokens=count)
-            seen.batches += 1  # before the yield: a save in this micro-step counts it
+            if whole:  # (micro_batch= counts its batches itself, not their chunks)
+                seen.batches += 1  # before the yield: a save in this micro-step counts it
             yield batch
             if display is not None:
                 display.tick()
         seen.end_pass()
     finally:
+        seen.leave()
         if display is not None:
             display.close()
 
@@ -235,7 +250,8 @@ def iterate(
             total,
             use_tqdm={True: None, "tqdm": True, "plain": False}[progress],
         )
-    return counted(batches, iterable, step.seen, tokens, display, step.doctor)
+    whole = step.chunks.size is None
+    return counted(batches, iterable, step.seen, tokens, display, step.doctor, whole)
 
 
 def _timed_move(doc: Any, mover: Callable[[T], T], batch: T) -> T:

@@ -173,6 +173,8 @@ class steps:
         finally:
             for acc in accs:
                 acc.iterating -= 1
+            for m in self.members:
+                m.seen.leave()
             for m, acc in zip(self.members, accs, strict=True):
                 acc._final_pending = acc._by_marks = False
                 acc._closed_by_group = None

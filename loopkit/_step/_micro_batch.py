@@ -227,7 +227,7 @@ def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
     seen, state = step.seen, step.chunks
     window: list[T] = []
     delivered = 0  # batches of the window whose log record is delivered (kept over a redo)
-    at_start = (seen.samples, seen.tokens)
+    at_start = (seen.samples, seen.tokens, seen.batches)
     acc._by_marks = state.replaying = True  # windows end at the marks, not by counting chunks
     acc.iterating += 1
     try:
@@ -245,15 +245,17 @@ def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
                         acc._final_pending = True
                     state.share, state.redo = share, False
                     state.batch_last = j == len(parts)
+                    if state.batch_last:  # a whole batch handed out (a save in it counts it)
+                        seen.batches += 1
                     yield chunk
                     if state.redo:  # its micro-step ran out of memory: the window again
-                        seen.samples, seen.tokens = at_start
+                        seen.samples, seen.tokens, seen.batches = at_start
                         todo = list(window)
                         break
                 else:
                     delivered = max(delivered, index + 1)
             if ends:
-                window, at_start, delivered = [], (seen.samples, seen.tokens), 0
+                window, at_start, delivered = [], (seen.samples, seen.tokens, seen.batches), 0
         if acc._window.micro and not acc._inside:  # ended before the batch counted last
             acc.flush()
     finally:

@@ -145,15 +145,16 @@ class _Resumable:
 
 
 def _passes_run(
-    tmp: Path, loader: Any, save_at: int | None, resume: bool, passes: int
-) -> list[Any]:
+    tmp: Path, loader: Any, save_at: int | None, resume: bool, passes: int,
+    micro_batch: int | None = None,
+) -> list[Any]:  # fmt: skip
     """``passes`` calls of ``step.iterate(loader)`` (accumulate=2), left at update ``save_at``
     after saving (resumed into fresh objects with ``resume``): after each micro-step the
     update and the epoch axis, after each pass the display's last line."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = loopkit.step(model, opt, accumulate=2)
+    step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
     owner = loader if isinstance(loader, _Resumable) else None
     ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=owner)
     if resume:
@@ -174,16 +175,18 @@ def _passes_run(
     return seen
 
 
+@pytest.mark.parametrize("micro_batch", [None, 2])
 @pytest.mark.parametrize("save_at", [1, 2, 3, 5])
 def test_a_stateful_loader_resumed_part_way_keeps_its_epoch_and_total(
-    tmp_path: Path, save_at: int
+    tmp_path: Path, save_at: int, micro_batch: int | None
 ) -> None:
     """A stateful loader that is not a distributed.loader (as torchdata's): saved part-way
     through a pass (or after its last batch: update 3), resumed by fresh objects, the log's
     epoch axis and the display's totals are the uninterrupted run's."""
-    whole = _passes_run(tmp_path / "whole", _Resumable(), None, False, 3)
-    first = _passes_run(tmp_path / "run", _Resumable(), save_at, False, 3)
-    rest = _passes_run(tmp_path / "run", _Resumable(), None, True, 3 - (save_at - 1) // 3)
+    run = partial(_passes_run, micro_batch=micro_batch)
+    whole = run(tmp_path / "whole", _Resumable(), None, False, 3)
+    first = run(tmp_path / "run", _Resumable(), save_at, False, 3)
+    rest = run(tmp_path / "run", _Resumable(), None, True, 3 - (save_at - 1) // 3)
     steps = [r for r in first + rest if isinstance(r, tuple)]
     assert steps == [r for r in whole if isinstance(r, tuple)]
     lines = ["update 3/3", "update 6/6", "update 9/9"]  # the passes the resumed run ends
@@ -216,11 +219,19 @@ def test_a_list_resumed_part_way_starts_that_epoch_again() -> None:
     ]
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_a_failed_resume_leaves_a_pass_left_by_break_as_it_was(tmp_path: Path, fail: bool) -> None:
-    """Saved after a ``break`` mid-pass, then a resume that fails (the model's load refuses):
-    the next ``iterate`` of the live run is a new pass (epoch 1), as with no resume at all; a
-    resume that succeeds goes on with the saved pass (epoch 0)."""
+@pytest.mark.parametrize(
+    ("where", "epoch"),
+    [("in the loop", 0), ("after the break", 1), ("after the break, failing", 1),
+     ("in the loop, failing", 1), ("by the user, in the loop", 1)],
+)  # fmt: skip
+def test_a_pass_left_by_break_is_over_unless_saved_while_it_ran(
+    tmp_path: Path, where: str, epoch: int
+) -> None:
+    """A loop that leaves its pass by ``break`` (steps per epoch): its next ``iterate`` is a
+    new pass (epoch 1). Saved inside the loop (a stop, a preemption) and resumed, the pass
+    goes on (epoch 0); saved after the ``break``, the resumed run's next pass is new, as
+    the uninterrupted run's. A failed resume, or the user's own
+    ``step.load_state_dict(step.state_dict())`` mid-pass, changes neither."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -231,9 +242,14 @@ def test_a_failed_resume_leaves_a_pass_left_by_break_as_it_was(tmp_path: Path, f
         with step as s:
             s.backward(model(x).pow(2).mean())
         if step.updates == 1:
+            if where.startswith("in the loop"):
+                ckpt.save()
+            elif where.startswith("by the user"):
+                step.load_state_dict(step.state_dict())
             break
-    ckpt.save()
-    if fail:
+    if where.startswith("after the break"):
+        ckpt.save()
+    if where.endswith("failing"):
 
         def refuse(*args: Any) -> None:
             raise RuntimeError("this module's own loading hook refuses")
@@ -241,10 +257,13 @@ def test_a_failed_resume_leaves_a_pass_left_by_break_as_it_was(tmp_path: Path, f
         model.register_load_state_dict_pre_hook(refuse)
         with pytest.raises(loopkit.CheckpointError, match="refuses"):
             ckpt.resume()
-    else:
-        ckpt.resume()
-    x = next(iter(step.iterate(data)))
-    assert step.seen.axes()["epoch"] == (1 if fail else 0)
+    elif not where.startswith("by the user"):
+        fresh = nn.Linear(3, 1)
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        step = loopkit.step(fresh, fresh_opt, accumulate=2)
+        loopkit.Checkpointer(tmp_path, model=fresh, optimizer=fresh_opt, step=step).resume()
+    next(iter(step.iterate(data)))
+    assert step.seen.axes()["epoch"] == epoch
 
 
 def _loop(tmp: Path, progress: str, max_updates: int | None = None,
