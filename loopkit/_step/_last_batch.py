@@ -92,18 +92,13 @@ def marked(
     source: object,
     items: Iterable[T],
     move: Callable[[T], T] | None = None,
-    done: int = 0,
 ) -> Iterator[tuple[T, bool]]:
     """``(batch, whether it is the pass's last)`` for each batch of ``items`` (taken from
     ``source``, moved by ``move`` as it is taken). ``holder.lookahead`` is 1 while a batch
     is held back. When the batches end before a last one was marked (a length that was
     not kept), the caller closes the window left open. Called as the pass starts (by
-    iterate's generators, at their first batch): ``iter(items)`` starts it. ``done``: the
-    batches of this pass handed out before a resume (a stateful loader goes on after them,
-    its ``len()`` the whole pass's)."""
+    iterate's generators, at their first batch): ``iter(items)`` starts it."""
     n = counted_length(source)
-    if n is not None and done:
-        n = n - done if n > done else None  # (none left by the count: look ahead)
     it = training_iter(items)  # a distributed.loader's pass is training's from its start
     track = _consumed.tracker(source)  # None (no cost per batch) unless a Checkpointer saves it
     if track is None:

@@ -213,10 +213,9 @@ def chunks(
     ]  # fmt: skip
 
 
-def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> Iterator[T]:
+def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
     """``step.iterate`` with ``micro_batch``: each batch in chunks, windows ending at the last
-    chunk of every ``accumulate``-th batch and of the pass (one batch looked ahead; ``done``:
-    as ``_last_batch.marked``'s).
+    chunk of every ``accumulate``-th batch and of the pass (one batch looked ahead).
 
     An out-of-memory error inside a chunk's micro-step (a longer sequence than the probe's)
     is taken by ``step.__exit__`` (``recovered``): the window is dropped and its batches are
@@ -232,7 +231,7 @@ def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> I
     acc._by_marks = state.replaying = True  # windows end at the marks, not by counting chunks
     acc.iterating += 1
     try:
-        for batch, last in _last_batch.marked(acc, source, batches, None, done):
+        for batch, last in _last_batch.marked(acc, source, batches):
             window.append(batch)
             ends = last or len(window) == acc.every
             todo = [batch]
