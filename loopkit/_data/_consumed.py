@@ -69,6 +69,12 @@ def _itself(obj: object) -> object:
     return obj
 
 
+def saved(source: object) -> bool:
+    """Whether a Checkpointer saves ``source`` (a resume puts its place back)."""
+    ref = _watched.get(id(source))
+    return ref is not None and ref() is source
+
+
 def tracker(source: object) -> Tracker | None:
     """The recorder for a pass over ``source``; None unless a Checkpointer saves its state
     (once per pass: a source nobody saves costs nothing per batch)."""

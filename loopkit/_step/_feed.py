@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .. import _ranks
+from .._data import _consumed
 from .._data._epoch_loader import training_iter
 from .._observe._progress import ProgressDisplay
 from . import _micro_batch
@@ -118,8 +119,9 @@ class Seen:
 
 
 def stateful(source: object) -> bool:
-    """A loader that a checkpoint puts back part-way (``distributed.loader``, torchdata's)."""
-    return hasattr(source, "_progress") or callable(getattr(source, "load_state_dict", None))
+    """A loader that a resume puts back part-way: a ``distributed.loader``, or one a
+    Checkpointer saves (``loader=``, ``extra=``: torchdata's StatefulDataLoader)."""
+    return hasattr(source, "_progress") or _consumed.saved(source)
 
 
 def _length(source: object) -> int | None:

@@ -146,7 +146,7 @@ class _Resumable:
 
 def _passes_run(
     tmp: Path, loader: Any, save_at: int | None, resume: bool, passes: int,
-    micro_batch: int | None = None,
+    micro_batch: int | None = None, saved: bool = True,
 ) -> list[Any]:  # fmt: skip
     """``passes`` calls of ``step.iterate(loader)`` (accumulate=2), left at update ``save_at``
     after saving (resumed into fresh objects with ``resume``): after each micro-step the
@@ -155,7 +155,7 @@ def _passes_run(
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
-    owner = loader if isinstance(loader, _Resumable) else None
+    owner = loader if isinstance(loader, _Resumable) and saved else None
     ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=owner)
     if resume:
         ckpt.resume()
@@ -194,15 +194,21 @@ def test_a_stateful_loader_resumed_part_way_keeps_its_epoch_and_total(
     assert [r for r in rest if isinstance(r, str)] == lines[len(lines) - (3 - save_at // 3) :]
 
 
-def test_a_list_resumed_part_way_starts_that_epoch_again() -> None:
-    """A list (no state: its pass starts again): saved at update 2 of epoch 1, then saved at
-    update 4 in the restarted epoch 1 and resumed again: every micro-step of it says epoch 1,
-    the next pass epoch 2, and the display totals the restarted pass in full."""
-    data = _Resumable().data
+@pytest.mark.parametrize("kind", ["list", "a stateful loader no Checkpointer saves"])
+def test_a_list_resumed_part_way_starts_that_epoch_again(kind: str) -> None:
+    """A list, or a stateful loader left out of the Checkpointer (its pass starts again):
+    saved at update 2 of epoch 1, then saved at update 4 in the restarted epoch 1 and resumed
+    again: every micro-step of it says epoch 1, the next pass epoch 2, and the display totals
+    the restarted pass in full."""
+
+    def data() -> Any:
+        return _Resumable().data if kind == "list" else _Resumable()
+
+    run = partial(_passes_run, saved=False)
     with tempfile.TemporaryDirectory() as tmp:
-        first = _passes_run(Path(tmp), data, 5, False, 3)
-        again = _passes_run(Path(tmp), data, 7, True, 3)
-        last = _passes_run(Path(tmp), data, None, True, 2)
+        first = run(Path(tmp), data(), 5, False, 3)
+        again = run(Path(tmp), data(), 7, True, 3)
+        last = run(Path(tmp), data(), None, True, 2)
     epoch_0 = [(0, 0), (1, 0), (1, 0), (2, 0), (2, 0), (3, 0), "update 3/3"]
     assert first == [*epoch_0, (3, 1), (4, 1), (4, 1), (5, 1)]
     assert again == [(5, 1), (6, 1), (6, 1), (7, 1)]
