@@ -206,6 +206,30 @@ class Store(MutableMapping[str, Any]):
         return len(self._items)
 
 
+class ResumableLoader:
+    """A sized stateful loader, as torchdata's StatefulDataLoader: ``len()`` is the whole
+    pass, and a restored state goes on from the batch it was saved after."""
+
+    def __init__(self, n: int = 6) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data, self.at = [torch.randn(4, 3, generator=g) for _ in range(n)], 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while self.at < len(self.data):
+            self.at += 1
+            yield self.data[self.at - 1]
+        self.at = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
 class StreamWithLen(torch.utils.data.IterableDataset[int]):
     """An IterableDataset that also has a length (which DataLoader cannot shard by index)."""
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import ResumableLoader
 from hypothesis import given
 from hypothesis import strategies as st
 from inv_budget import prop, where
@@ -34,34 +35,11 @@ except ImportError:  # the streaming extra is optional
 KINDS = ["stateful", "list"] + (["torchdata"] if StatefulDataLoader is not None else [])
 
 
-class _Resumable:
-    """A sized stateful loader: len() is the whole pass; a restored state goes on."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data, self.at = [torch.randn(4, 3, generator=g) for _ in range(n)], 0
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __iter__(self) -> Any:
-        while self.at < len(self.data):
-            self.at += 1
-            yield self.data[self.at - 1]
-        self.at = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"at": self.at}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.at = state["at"]
-
-
 def _loader(kind: str, n: int) -> Any:
     if kind == "stateful":
-        return _Resumable(n)
+        return ResumableLoader(n)
     if kind == "list":
-        return _Resumable(n).data
+        return ResumableLoader(n).data
     data = torch.utils.data.TensorDataset(torch.randn(4 * n, 3))
     return StatefulDataLoader(data, batch_size=4)
 

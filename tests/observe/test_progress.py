@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ResumableLoader
 from torch import nn
 
 import loopkit
@@ -120,30 +121,6 @@ def test_a_stream_totals_from_until_or_not_at_all(error: Exception, limit: int |
     assert out.getvalue().splitlines()[-1].startswith(f"update {done}/{limit or '?'}")
 
 
-class _Resumable:
-    """A sized stateful loader, as torchdata's StatefulDataLoader: len() is the whole pass,
-    and a restored state goes on from the batch it was saved after."""
-
-    def __init__(self, n: int = 6) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data, self.at = [torch.randn(4, 3, generator=g) for _ in range(n)], 0
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __iter__(self) -> Any:
-        while self.at < len(self.data):
-            self.at += 1
-            yield self.data[self.at - 1]
-        self.at = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"at": self.at}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.at = state["at"]
-
-
 def _passes_run(
     tmp: Path, loader: Any, save_at: int | None, resume: bool, passes: int,
     micro_batch: int | None = None, saved: bool = True,
@@ -155,7 +132,7 @@ def _passes_run(
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
-    owner = loader if isinstance(loader, _Resumable) and saved else None
+    owner = loader if isinstance(loader, ResumableLoader) and saved else None
     ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=owner)
     if resume:
         ckpt.resume()
@@ -184,9 +161,9 @@ def test_a_stateful_loader_resumed_part_way_keeps_its_epoch_and_total(
     through a pass (or after its last batch: update 3), resumed by fresh objects, the log's
     epoch axis and the display's totals are the uninterrupted run's."""
     run = partial(_passes_run, micro_batch=micro_batch)
-    whole = run(tmp_path / "whole", _Resumable(), None, False, 3)
-    first = run(tmp_path / "run", _Resumable(), save_at, False, 3)
-    rest = run(tmp_path / "run", _Resumable(), None, True, 3 - (save_at - 1) // 3)
+    whole = run(tmp_path / "whole", ResumableLoader(), None, False, 3)
+    first = run(tmp_path / "run", ResumableLoader(), save_at, False, 3)
+    rest = run(tmp_path / "run", ResumableLoader(), None, True, 3 - (save_at - 1) // 3)
     steps = [r for r in first + rest if isinstance(r, tuple)]
     assert steps == [r for r in whole if isinstance(r, tuple)]
     lines = ["update 3/3", "update 6/6", "update 9/9"]  # the passes the resumed run ends
@@ -202,7 +179,7 @@ def test_a_list_resumed_part_way_starts_that_epoch_again(kind: str) -> None:
     the restarted pass in full."""
 
     def data() -> Any:
-        return _Resumable().data if kind == "list" else _Resumable()
+        return ResumableLoader().data if kind == "list" else ResumableLoader()
 
     run = partial(_passes_run, saved=False)
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +220,7 @@ def test_a_pass_left_by_break_is_over_unless_saved_while_it_ran(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = loopkit.step(model, opt, accumulate=2)
     ckpt = loopkit.Checkpointer(tmp_path, model=model, optimizer=opt, step=step)
-    data = _Resumable().data
+    data = ResumableLoader().data
     for x in step.iterate(data):
         with step as s:
             s.backward(model(x).pow(2).mean())
