@@ -150,6 +150,7 @@ CONTROL_SECONDS: list[float] = []
 
 
 _RECORD, _RECORD_ONE = loopkit.detach_logging.record, loopkit.detach_logging._record_one
+_KEEP = loopkit.detach_logging._keep
 
 
 _SPENT = [0.0]  # not a class attribute: writing one would bump the class's version each
@@ -157,9 +158,19 @@ _SPENT = [0.0]  # not a class attribute: writing one would bump the class's vers
 
 
 class TimedLog(loopkit.detach_logging):
-    """A detach_logging whose recording (a step's per-micro-step call, or ``record``; the
-    flushes they make included) is timed where it runs, into ``_SPENT``, less the clock's
-    own cost (two clock reads with nothing between, timed alike)."""
+    """A detach_logging whose work is timed where it runs, into ``_SPENT``, less the clock's
+    own cost (two clock reads with nothing between, timed alike): what the step's backward
+    keeps of the loss for it (``_keep``), the step's per-micro-step record (or ``record``)
+    and the flushes they make."""
+
+    @staticmethod
+    def _keep(loss: torch.Tensor, known: Any) -> torch.Tensor:
+        clock = time.perf_counter
+        t0 = clock()
+        t1 = clock()
+        kept = _KEEP(loss, known)
+        _SPENT[0] += (clock() - t1) - (t1 - t0)
+        return kept
 
     def record(self, metrics: Any) -> None:
         clock = time.perf_counter
@@ -177,7 +188,11 @@ class TimedLog(loopkit.detach_logging):
 
 
 LOG_SECONDS: list[float] = []
-"""Seconds per micro-step spent recording the log (the step's call, flushes included)."""
+"""Seconds per micro-step the log took (the loss kept, the record, the flushes)."""
+FULL_LOG_SECONDS: dict[str, list[float]] = {}
+"""In the whole stacks, seconds per micro-step the log took, timed where it runs: loopkit's
+(as LOG_SECONDS, its CSV sink's writes included) and the hand stack's (its running sum, and
+every LOG_EVERY micro-steps its read and CSV row), by contender."""
 
 
 def loopkit_logged(
@@ -279,6 +294,8 @@ def hand_full(
     ema = [p.detach().clone() for p in params]
     dtype = DTYPES[prec]
     deadline, updates, total = time.monotonic() + 99 * 3600, 0, torch.zeros(())
+    # The log is timed in whole runs only: the goal's runs in turns (paced data) run as written.
+    clock, spent, timed = time.perf_counter, 0.0, not isinstance(data, Paced)
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null, \
             open(os.path.join(tmp, "m.csv"), "w", newline="") as f:  # fmt: skip
         rows = csv.writer(f)
@@ -288,7 +305,12 @@ def hand_full(
             with torch.autocast("cpu", dtype=dtype) if prec != "fp32" else contextlib.nullcontext():
                 loss = nn.functional.mse_loss(model(x), y)
             (loss / N).backward()
+            if timed:
+                t0 = clock()
+                t1 = clock()
             total += loss.detach()
+            if timed:
+                spent += (clock() - t1) - (t1 - t0)
             if (i + 1) % N == 0:
                 if clip is not None:
                     nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -302,10 +324,15 @@ def hand_full(
                 if updates % 50 == 0:
                     pass  # validation would run here
             if (i + 1) % LOG_EVERY == 0:
+                t0 = clock()
+                t1 = clock()
                 rows.writerow([updates, (total / LOG_EVERY).item()])  # one host read
                 total.zero_()
+                spent += (clock() - t1) - (t1 - t0)  # (once per 50: timed in every run)
             if time.monotonic() > deadline:
                 break
+    if timed:
+        FULL_LOG_SECONDS.setdefault(HAND_FULL, []).append(spent / steps)
 
 
 def loopkit_full(
@@ -318,8 +345,11 @@ def loopkit_full(
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.9)
     average = loopkit.ema(model, decay=EMA_DECAY)
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null:
-        log = loopkit.detach_logging(every=LOG_EVERY,
-                                     sink=loopkit.CSVSink(os.path.join(tmp, "m.csv")))  # fmt: skip
+        # The log is timed in whole runs only (as the hand stack's): paced data is a goal's run.
+        timed = not isinstance(data, Paced)
+        logs = TimedLog if timed else loopkit.detach_logging
+        log = logs(every=LOG_EVERY, sink=loopkit.CSVSink(os.path.join(tmp, "m.csv")))
+        _SPENT[0] = 0.0
         step = loopkit.step(model, opt, precision=prec, accumulate=N, clip_grad_norm=clip,
                             scheduler=sched, log=log, ema=average)  # fmt: skip
         batches = feed(data, steps)
@@ -331,6 +361,8 @@ def loopkit_full(
                 validate.due()
                 if stop.check():
                     break
+    if timed:
+        FULL_LOG_SECONDS.setdefault(FULL, []).append(_SPENT[0] / steps)
 
 
 def loopkit_ema(
@@ -599,6 +631,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             repeats = args.rounds or repeats
             CONTROL_SECONDS.clear()
             LOG_SECONDS.clear()
+            FULL_LOG_SECONDS.clear()
             samples = bench(model_name, prec, steps, repeats, clip, names)
             # The goals' pairs again, in turns of BLOCK micro-steps (see paired()).
             paired_steps, paired_rounds = (1000, 1) if args.quick else (2000, repeats)
@@ -637,6 +670,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                             "ema": round(us["loopkit.step + ema"] - us["loopkit.step"], 2),
                             "until + cadence (timed inside)": round(control_us, 3),
                         }
+                    if name in FULL_LOG_SECONDS:  # the stack's log, timed where it runs
+                        row["stack_log_us"] = round(
+                            statistics.median(FULL_LOG_SECONDS[name]) * 1e6, 3
+                        )
                     if name == FULL:  # the whole stack against the same stack by hand
                         row["ratio_to_hand_full"] = round(ratio(samples, name, HAND_FULL), 4)
                     if name == LOOP_CONTROL:  # loop control's own cost: against the same step
@@ -688,6 +725,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(
                     f"  {r['model']} {r['precision']}: {r['control_us']:.2f} us = "
                     f"{100 * r['control_share']:.2f}%; whole loop {r['ratio_to_step']:.3f}"
+                )
+        for r in rows:
+            if r["contender"] == FULL and "stack_log_us" in r:
+                same = (r["model"], r["precision"], HAND_FULL)
+                hand_log = next(
+                    h["stack_log_us"]
+                    for h in rows
+                    if (h["model"], h["precision"], h["contender"]) == same
+                )
+                print(
+                    f"  {r['model']} {r['precision']}: the whole stack's log, timed where it runs "
+                    f"(us per micro-step): loopkit {r['stack_log_us']:.2f}, by hand "
+                    f"{hand_log:.2f} (a running sum, read every {LOG_EVERY})"
                 )
         print(
             f"\nthe goals: measured (bound); a ratio is the median over pairs of adjacent "

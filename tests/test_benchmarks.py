@@ -84,6 +84,11 @@ def test_overhead_benchmark_quick_rows_and_parity(tmp_path: Path) -> None:
             assert r["paired"] > 0 and r["paired_blocks"] >= 3
         if "log_us" in r:
             assert r["log_us"] > 0
+        # The whole stacks' logs, timed where they run, loopkit's beside the hand stack's.
+        stacks = ("hand-written, full stack", "loopkit, full stack")
+        assert ("stack_log_us" in r) == (r["contender"] in stacks)
+        if "stack_log_us" in r:
+            assert r["stack_log_us"] > 0
         if r["contender"] == "hand-written":
             assert r["ratio"] == 1.0
         if r["contender"].startswith("loopkit"):
@@ -273,3 +278,13 @@ def test_host_bound_benchmark_quick_rows() -> None:
     assert rows[limit]["ratio_to_limit"] == 1.0
     if cuda:
         assert torch.isfinite(torch.tensor(rows[limit]["last_loss"]))
+
+
+def test_log_floor_benchmark_quick_rows() -> None:
+    """log_floor.py --quick: every way of keeping the loss read the same means (else it exits
+    non-zero) and each has its time per micro-step; one ``detach()`` alone costs something."""
+    rows = {r["way"]: r for r in _json("benchmarks/log_floor.py", "--quick")}
+    ways = {"one detach()", "running sum", "detach + stack", ".data + stack", "loopkit log="}
+    assert set(rows) == ways
+    for r in rows.values():
+        assert r["us_per_micro_step"] > 0 and len(r["rounds_us"]) == 2

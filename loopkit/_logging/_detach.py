@@ -21,7 +21,7 @@ from .._types import Reduction, Sink
 from . import _log_state
 from ._delivery import Delivery, as_sinks
 from ._exchange import reduce_across_ranks
-from ._recording import flush_call, record_checked, record_one, take_back
+from ._recording import flush_call, keep, record_checked, record_one, take_back
 from ._reductions import NUMBER, REDUCTIONS, Kind, Value, known_one_dtype, reduce_local
 from ._sinks import print_sink
 
@@ -190,6 +190,7 @@ class detach_logging(_log_state.LogState):
         record_checked(self, metrics, flushes)
 
     _record_one = record_one  # a step's loss, each micro-step: the short path (_recording)
+    _keep = staticmethod(keep)  # what _record_one is given of a step's loss (_recording)
 
     # -- reading ------------------------------------------------------------------------
 

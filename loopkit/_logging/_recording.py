@@ -16,6 +16,14 @@ from ._reductions import NUMBER, Kind, Value
 detach_logging = Any
 
 
+def keep(loss: torch.Tensor, known: Kind | None) -> torch.Tensor:
+    """What a record keeps of a step's ``loss`` (taken in backward, while the graph is
+    alive): its value without the graph. A loss of a ``known`` kind is a plain tensor (the
+    step's backward checked it), and ``.data`` gives what ``detach()`` does without a
+    dispatched op: the cheapest capture of a micro-step's loss, a microsecond less in a loop."""
+    return loss.data if known is not None else loss.detach()
+
+
 def record_one(self: detach_logging, name: str, v: torch.Tensor, known: Kind | None = None) -> None:
     """``record({name: v})`` for one detached value (a step's loss, each micro-step): the
     call every micro-step makes, in a few lines; anything else goes through ``record``.

@@ -194,7 +194,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
             weight = _feed.chunk_weight(self, weight)
         acc._backward(loss, weight, **autograd)
         if self.log is not None:  # the record's loss, its kind told if every backward's was
-            detached, kind = loss.detach(), acc._weighting.loss_kind  # (None: to be checked)
+            detached = self.log._keep(loss, kind := acc._weighting.loss_kind)  # (None: checked)
             if self._loss is None:
                 self._loss, self._loss_kind = detached, kind
             else:

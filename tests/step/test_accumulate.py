@@ -126,6 +126,8 @@ def test_unequal_sizes_with_weight_equal_large_batch(as_tensor: bool) -> None:
 )
 # A case CI found: weighted SGD diverges to weights around 1e5 (see the bound below).
 @example(every=1, sizes=[1, 2, 1, 1, 2, 1, 1, 3], weighted=True, opt_name="sgd")
+# Diverging to weights around 700, where a weight of 3 was off by 3e-4 (1e-4 relative).
+@example(every=1, sizes=[3, 2, 1, 1, 1, 1, 1, 1, 2, 1, 1], weighted=True, opt_name="sgd")
 def test_property_any_windows_sizes_and_tails(
     every: int, sizes: list[int], weighted: bool, opt_name: str
 ) -> None:
@@ -142,7 +144,12 @@ def test_property_any_windows_sizes_and_tails(
     # updates amplifies float32 rounding: 300 random cases stayed under 1.2e-5 absolute.
     # Some weighted SGD cases diverge to weights around 1e5, where one float32 ulp is
     # already 0.0078, so the bound is relative too (those cases agree to 3e-7 relative).
-    assert_close(params(model), ref, atol=2e-5, rtol=1e-5)
+    # Rounding at the largest weights reaches every other one through the matmuls, so the
+    # absolute bound scales with the tensor's largest weight (the same cases run in float64
+    # agree to 1e-13: the difference is float32's rounding, amplified, not the algorithm).
+    for got, want in zip(params(model), ref, strict=True):
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, atol=2e-5 * scale, rtol=1e-5)
 
 
 def test_scheduler_steps_once_per_update() -> None:
