@@ -291,14 +291,14 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         """
         return self._iterate_from(iterable, iterable)
 
-    def _iterate_from(self, source: object, items: Iterable[T], move: _Move = None) -> Iterator[T]:
+    def _iterate_from(
+        self, source: object, items: Iterable[T], move: _Move = None, done: int = 0
+    ) -> Iterator[T]:
         """``iterate`` over ``items`` from ``source``, each moved by ``move`` as it is taken."""
         if self._inside:
-            raise RuntimeError(
-                "iterate() inside `with acc:`: loop over acc.iterate(loader) and enter the "
-                "micro-step inside the loop"
-            )
-        return _marking_last(self, source, items, move)
+            raise RuntimeError("iterate() inside `with acc:`: loop over acc.iterate(loader) "
+                               "and enter the micro-step inside the loop")  # fmt: skip
+        return _marking_last(self, source, items, move, done)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -370,7 +370,9 @@ def _close_window(acc: accumulate) -> bool:
         acc._reach = None if window.n_backward else acc._reach  # checked: first window
 
 
-def _marking_last(acc: accumulate, source: object, items: Iterable[T], move: _Move) -> Iterator[T]:
+def _marking_last(
+    acc: accumulate, source: object, items: Iterable[T], move: _Move, done: int
+) -> Iterator[T]:
     """acc.iterate's generator: close a left-over window, mark the pass's last item
     (``_last_batch``: looked ahead or counted), close a window the items left open."""
     window = acc._window
@@ -383,7 +385,7 @@ def _marking_last(acc: accumulate, source: object, items: Iterable[T], move: _Mo
             acc.flush()
     acc.iterating += 1
     try:
-        for item, last in _last_batch.marked(acc, source, items, move):
+        for item, last in _last_batch.marked(acc, source, items, move, done):
             if last:  # (an FSDP left-over mark above stays for the first micro-step)
                 acc._final_pending = True
             yield item

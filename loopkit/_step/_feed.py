@@ -124,6 +124,11 @@ def stateful(source: object) -> bool:
     return hasattr(source, "_progress") or _consumed.saved(source)
 
 
+def resumed(step: Any, source: object) -> int:
+    """The batches of ``source``'s pass handed out before the resume it goes on from."""
+    return step.seen.resumed_batches() if stateful(source) else 0
+
+
 def _length(source: object) -> int | None:
     """``len(source)``, or None where it has none (or one that raises)."""
     try:
@@ -239,9 +244,9 @@ def iterate(
         taken, move = doc.iterate(started), functools.partial(_timed_move, doc, mover)
     batches: Iterable[T]
     if step.chunks.size is not None:  # each batch in chunks; windows end at the marks
-        batches = _micro_batch.iterate(step, iterable, map(move, taken))
+        batches = _micro_batch.iterate(step, iterable, map(move, taken), resumed(step, iterable))
     else:  # each batch moved as the look-ahead takes it
-        batches = step.accumulator._iterate_from(iterable, taken, move)
+        batches = step.accumulator._iterate_from(iterable, taken, move, resumed(step, iterable))
     display = None
     if progress and _ranks.world()[0] == 0:
         log = step.log

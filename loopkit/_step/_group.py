@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from .. import _ranks
 from .._parallel._grad_sync import no_sync, sync_kind
-from . import _compose, _last_batch, _micro_batch, _reach
+from . import _compose, _feed, _last_batch, _micro_batch, _reach
 from ._accumulate import accumulate
 from ._window import Window
 
@@ -129,7 +129,8 @@ class steps:
             acc.iterating += 1
         world = _ranks.world()[1]
         try:
-            for cur, last in _last_batch.marked(self, iterable, iterable, mover):
+            done = _feed.resumed(self.members[0], iterable)
+            for cur, last in _last_batch.marked(self, iterable, iterable, mover, done):
                 # Every member's log axes: the epoch, and the samples of whole batches.
                 samples = _micro_batch.leading_size(cur) * world
                 for m in self.members:

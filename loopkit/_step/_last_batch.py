@@ -87,18 +87,34 @@ def counted_length(source: object) -> int | None:
     return n if isinstance(n, int) and n >= 0 else None
 
 
+def _whole_pass_length(source: object) -> bool:
+    """Whether ``len(source)`` is the whole pass's even when a resume put it back part-way:
+    a ``DataLoader`` over a map-style data set (its length is its sampler's; torchdata's
+    StatefulDataLoader). Another stateful iterable's ``len()`` may count what it has left, and
+    counting its resumed pass from what was done would take its batches early (a batch asked
+    for past a count that was short confirms there are more: the windows stay right, but the
+    draws move), so its resumed pass counts from its start and a ragged last window closes
+    when the loop asks past it."""
+    return isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset)
+
+
 def marked(
     holder: Holder,
     source: object,
     items: Iterable[T],
     move: Callable[[T], T] | None = None,
+    done: int = 0,
 ) -> Iterator[tuple[T, bool]]:
     """``(batch, whether it is the pass's last)`` for each batch of ``items`` (taken from
     ``source``, moved by ``move`` as it is taken). ``holder.lookahead`` is 1 while a batch
     is held back. When the batches end before a last one was marked (a length that was
     not kept), the caller closes the window left open. Called as the pass starts (by
-    iterate's generators, at their first batch): ``iter(items)`` starts it."""
+    iterate's generators, at their first batch): ``iter(items)`` starts it. ``done``: the
+    batches of this pass handed out before a resume (a stateful loader goes on after them,
+    its ``len()`` the whole pass's)."""
     n = counted_length(source)
+    if n is not None and done and _whole_pass_length(source):
+        n = n - done if n > done else None  # (none left by the count: look ahead)
     it = training_iter(items)  # a distributed.loader's pass is training's from its start
     track = _consumed.tracker(source)  # None (no cost per batch) unless a Checkpointer saves it
     if track is None:

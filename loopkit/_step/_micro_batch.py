@@ -213,9 +213,10 @@ def chunks(
     ]  # fmt: skip
 
 
-def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
+def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> Iterator[T]:
     """``step.iterate`` with ``micro_batch``: each batch in chunks, windows ending at the last
-    chunk of every ``accumulate``-th batch and of the pass (one batch looked ahead).
+    chunk of every ``accumulate``-th batch and of the pass (one batch looked ahead; ``done``:
+    as ``_last_batch.marked``'s).
 
     An out-of-memory error inside a chunk's micro-step (a longer sequence than the probe's)
     is taken by ``step.__exit__`` (``recovered``): the window is dropped and its batches are
@@ -231,7 +232,7 @@ def iterate(step: Any, source: object, batches: Iterable[T]) -> Iterator[T]:
     acc._by_marks = state.replaying = True  # windows end at the marks, not by counting chunks
     acc.iterating += 1
     try:
-        for batch, last in _last_batch.marked(acc, source, batches):
+        for batch, last in _last_batch.marked(acc, source, batches, None, done):
             window.append(batch)
             ends = last or len(window) == acc.every
             todo = [batch]

@@ -12,6 +12,7 @@ data sets.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -333,14 +334,17 @@ def test_a_place_saved_by_other_workers_is_refused_naming_num_workers(tmp_path: 
     assert other.next_iter_state is None
 
 
-def _epochs_run(tmp: Path, save_at: int | None, resume: bool, passes: int) -> list[Any]:
-    """``passes`` passes of a StatefulDataLoader (6 batches, accumulate=2), saved and left at
-    update ``save_at``: after each micro-step, the update and the log's epoch axis."""
+def _epochs_run(
+    tmp: Path, save_at: int | None, resume: bool, passes: int, batches: int = 6,
+    micro_batch: int | None = None,
+) -> list[Any]:  # fmt: skip
+    """``passes`` passes of a StatefulDataLoader (``batches`` of 4, accumulate=2), saved and
+    left at update ``save_at``: after each micro-step, the update and the log's epoch axis."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = loopkit.step(model, opt, accumulate=2)
-    loader = StatefulDataLoader(TensorDataset(torch.randn(24, 3)), batch_size=4)
+    step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
+    loader = StatefulDataLoader(TensorDataset(torch.randn(4 * batches, 3)), batch_size=4)
     ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
     if resume:
         ckpt.resume()
@@ -356,12 +360,20 @@ def _epochs_run(tmp: Path, save_at: int | None, resume: bool, passes: int) -> li
     return seen
 
 
-@pytest.mark.parametrize("save_at", [2, 3, 4])
-def test_the_epoch_axis_goes_on_with_the_resumed_pass(tmp_path: Path, save_at: int) -> None:
+@pytest.mark.parametrize(("batches", "micro_batch"), [(6, None), (5, None), (5, 2)])
+@pytest.mark.parametrize("save_at", [1, 2, 3, 4])
+def test_the_epoch_axis_goes_on_with_the_resumed_pass(
+    tmp_path: Path, save_at: int, batches: int, micro_batch: int | None
+) -> None:
     """Saved part-way through a pass (or after its last batch: update 3), resumed: every
-    micro-step's epoch axis is the uninterrupted run's (it counted the resumed pass anew)."""
-    whole = _epochs_run(tmp_path / "whole", None, False, 3)
-    first = _epochs_run(tmp_path / "run", save_at, False, 3)
+    micro-step's update and epoch axis are the uninterrupted run's (the resumed pass was
+    counted anew). With 5 batches a pass each pass ends on a window of one batch: the
+    resumed loader hands out what it has left and its ``len()`` is the whole pass's, so the
+    count goes on from the batches done and that window closes in its own micro-step (it
+    closed once the loop asked past it, one update late in that micro-step)."""
+    run = functools.partial(_epochs_run, batches=batches, micro_batch=micro_batch)
+    whole = run(tmp_path / "whole", None, False, 3)
+    first = run(tmp_path / "run", save_at, False, 3)
     # Resumed after a pass's last batch, the loader's next pass hands out nothing.
-    rest = _epochs_run(tmp_path / "run", None, True, 3 - (save_at - 1) // 3)
+    rest = run(tmp_path / "run", None, True, 3 - (save_at - 1) // 3)
     assert first + rest == whole

@@ -275,3 +275,69 @@ def test_a_batch_is_moved_as_it_is_taken_before_the_next_take(length: int, group
     want_seen, want_weights = train(fresh)
     assert seen == want_seen == [0.0, 1.0, 2.0, 3.0]
     assert torch.equal(weights, want_weights)
+
+
+class _LeftCounting:
+    """A stateful loader whose ``len()`` counts the batches it has left after a resume (not
+    the whole pass, as a DataLoader's does) and draws a random number here as it makes each."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.at = n, 0
+
+    def __len__(self) -> int:
+        return self.n - self.at
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while self.at < self.n:
+            self.at += 1
+            yield torch.full((4, 3), 0.1 * self.at) + torch.rand(4, 3)
+        self.at = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
+def _resumed_run(
+    tmp: str, save_at: int | None, resume: bool, passes: int = 2
+) -> tuple[list[int], list[Any]]:
+    """``passes`` passes of five batches (accumulate=2, dropout) of ``_LeftCounting``, saved at
+    update ``save_at`` and left: the update after each micro-step, and the weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    loader = _LeftCounting(5)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
+    if resume:
+        ckpt.resume()
+    updates: list[int] = []
+    for _ in range(passes):
+        for x in step.iterate(loader):
+            with step as s:
+                s.backward(model(x).pow(2).mean())
+            updates.append(step.updates)
+            if step.updates == save_at and step.accumulator.micro_step == 0:
+                ckpt.save()
+                return updates, [p.detach().clone() for p in model.parameters()]
+    return updates, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("save_at", [1, 2, 4])
+def test_a_resumed_loader_whose_length_counts_what_is_left_is_counted_from_its_start(
+    save_at: int,
+) -> None:
+    """A resumed pass counts on from the batches done only where ``len()`` is the whole
+    pass's (a DataLoader over a map-style data set): a stateful loader whose ``len()`` says
+    what it has left is counted from its resume, so no batch is taken before the loop asks
+    (its random draws stay where the uninterrupted run made them) and the last window closes
+    in its micro-step: every update and the final weights are the uninterrupted run's."""
+    with tempfile.TemporaryDirectory() as whole_dir, tempfile.TemporaryDirectory() as run_dir:
+        whole, weights = _resumed_run(whole_dir, None, False)
+        first, _ = _resumed_run(run_dir, save_at, False)
+        rest, resumed = _resumed_run(run_dir, None, True, 2 - save_at // 3)
+    assert first + rest == whole
+    for a, b in zip(weights, resumed, strict=True):
+        assert torch.equal(a, b)
