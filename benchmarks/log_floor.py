@@ -2,17 +2,19 @@
 
 The tiny model of ``overhead.py`` (accumulation 4, one CPU thread, pinned to one core)
 trained by hand, its loss kept each micro-step in one of the ways a hand loop does it,
-timed where the lines run (less the clock's own cost), and read every 50 micro-steps
+timed where the lines run (less two clock reads timed hot), and read every 50 micro-steps
 (the read's time included, per micro-step); the rounds interleave the ways. Beside them,
-``loopkit.step`` with ``log=`` (the step's capture of the loss, its record and the
-flushes, timed alike) and one ``loss.detach()`` alone: a single dispatched op in the loop.
+``loopkit.step`` with ``log=`` (the step's keeping of the loss, its record and the flushes,
+timed alike: two regions per micro-step, so a clock read slower in the loop than hot counts
+against it twice), one ``loss.detach()`` alone (a single dispatched op in the loop) and one
+``loss.data`` alone (no op: what touching the loss after its backward costs).
 
     python benchmarks/log_floor.py [--quick] [--json]
 
 The ways, each with no host read but the one every 50 micro-steps (``.item()`` per
 micro-step would be a host-device sync on a GPU, so it is not among them):
 
-- ``running sum``: ``total += loss.detach()``, then ``(total / 50).item()``: two ops per
+- ``running sum``: ``total.add_(loss.detach())``, then ``(total / 50).item()``: two ops per
   micro-step (the hand stack of ``overhead.py``, nanoGPT-style scripts made sync-free);
 - ``detach + stack``: ``kept.append(loss.detach())``, then one ``stack`` and ``tolist``;
 - ``.data + stack``: the same with ``loss.data`` (no dispatched op): the cheapest way here to
@@ -27,6 +29,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,40 +53,69 @@ def make_data() -> list[Batch]:
     return [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(16)]
 
 
+def _keeping(way: str) -> tuple[Callable[[torch.Tensor], None], Callable[[], float] | None]:
+    """The way's keeping of a loss (each micro-step) and its read (every EVERY; None: no read)."""
+    total, kept = torch.zeros(()), []
+
+    def running_sum(loss: torch.Tensor) -> None:
+        total.add_(loss.detach())
+
+    def read_sum() -> float:
+        mean = (total / EVERY).item()  # host-device sync: one per EVERY micro-steps
+        total.zero_()
+        return mean
+
+    def read_kept() -> float:
+        mean = math.fsum(torch.stack(kept).tolist()) / EVERY  # the same, one read
+        kept.clear()
+        return mean
+
+    ways: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[], float] | None]] = {
+        "one detach()": (lambda loss: loss.detach(), None),
+        "one .data": (lambda loss: loss.data, None),
+        "running sum": (running_sum, read_sum),
+        "detach + stack": (lambda loss: kept.append(loss.detach()), read_kept),
+        ".data + stack": (lambda loss: kept.append(loss.data), read_kept),
+    }
+    return ways[way]
+
+
 def by_hand(way: str, steps: int) -> tuple[float, list[float]]:
     """Seconds per micro-step the way took, and the means it read."""
     model, data = build(), make_data()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    total, kept, means, spent = torch.zeros(()), [], [], 0.0
+    keep, read = _keeping(way)
+    means: list[float] = []
+    spent = 0.0
     for i in range(steps):
         x, y = data[i % len(data)]
         loss = nn.functional.mse_loss(model(x), y)
         (loss / N).backward()
         t0 = CLOCK()
-        t1 = CLOCK()
-        if way == "running sum":
-            total += loss.detach()
-        elif way == "detach + stack":
-            kept.append(loss.detach())
-        elif way == ".data + stack":
-            kept.append(loss.data)
-        elif way == "one detach()":
-            loss.detach()
-        spent += (CLOCK() - t1) - (t1 - t0)
-        if (i + 1) % EVERY == 0 and way != "one detach()":
+        keep(loss)
+        spent += CLOCK() - t0 - CLOCK_PAIR[0]
+        if (i + 1) % EVERY == 0 and read is not None:
             t0 = CLOCK()
-            t1 = CLOCK()
-            if way == "running sum":
-                means.append((total / EVERY).item())  # host-device sync: one per 50
-                total.zero_()
-            else:
-                means.append(math.fsum(torch.stack(kept).tolist()) / EVERY)  # the same
-                kept = []
-            spent += (CLOCK() - t1) - (t1 - t0)
+            means.append(read())
+            spent += CLOCK() - t0 - CLOCK_PAIR[0]
         if (i + 1) % N == 0:
             opt.step()
             opt.zero_grad(set_to_none=True)
     return spent / steps, means
+
+
+CLOCK_PAIR = [0.0]
+"""Two clock reads with nothing between, timed hot (subtracted from every timed region: a
+region timed cold right after a backward reads its clocks slower, and a correction timed
+there would favour whoever has more regions: loopkit's log has two per micro-step)."""
+
+
+def _calibrate() -> None:
+    pairs = []
+    for _ in range(20000):
+        t0 = CLOCK()
+        pairs.append(CLOCK() - t0)
+    CLOCK_PAIR[0] = statistics.median(pairs)
 
 
 _SPENT = [0.0]
@@ -92,22 +124,20 @@ _KEEP, _RECORD_ONE = loopkit.detach_logging._keep, loopkit.detach_logging._recor
 
 class _TimedLog(loopkit.detach_logging):
     """The step's log, its capture of the loss and its record (flushes included) timed, the
-    clocks inline as in the hand loop (``_SPENT`` a list: a class attribute written each call
+    clocks inline as in the hand ways (``_SPENT`` a list: a class attribute written each call
     would turn off the interpreter's attribute caches for this very object)."""
 
     @staticmethod
     def _keep(loss: torch.Tensor, known: Any) -> torch.Tensor:
         t0 = CLOCK()
-        t1 = CLOCK()
         kept = _KEEP(loss, known)
-        _SPENT[0] += (CLOCK() - t1) - (t1 - t0)
+        _SPENT[0] += CLOCK() - t0 - CLOCK_PAIR[0]
         return kept
 
     def _record_one(self, name: str, v: torch.Tensor, known: Any = None) -> None:
         t0 = CLOCK()
-        t1 = CLOCK()
         _RECORD_ONE(self, name, v, known)
-        _SPENT[0] += (CLOCK() - t1) - (t1 - t0)
+        _SPENT[0] += CLOCK() - t0 - CLOCK_PAIR[0]
 
 
 def with_loopkit(steps: int) -> tuple[float, list[float]]:
@@ -124,7 +154,8 @@ def with_loopkit(steps: int) -> tuple[float, list[float]]:
     return _SPENT[0] / steps, means
 
 
-WAYS = ["one detach()", "running sum", "detach + stack", ".data + stack", "loopkit log="]
+WAYS = ["one detach()", "one .data", "running sum", "detach + stack", ".data + stack",
+        "loopkit log="]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -136,6 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     steps, rounds = (400, 2) if args.quick else (2000, 7)
+    _calibrate()
     spent: dict[str, list[float]] = {way: [] for way in WAYS}
     means: dict[str, list[float]] = {}
     for r in range(rounds + 1):  # the first round warms up, untimed

@@ -572,6 +572,10 @@ def bench(
     data = make_data(model_name)
     for name in names:  # warm-up
         time_once(name, model_name, data, min(steps, 8 * N), prec, clip)
+    # What the warm-up runs timed inside is not a sample (cold, and too short for a flush).
+    CONTROL_SECONDS.clear()
+    LOG_SECONDS.clear()
+    FULL_LOG_SECONDS.clear()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(repeats):
         # Interleaved, in a rotating order, so drift in the machine's speed hits all alike.

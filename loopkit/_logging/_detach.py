@@ -40,13 +40,15 @@ class detach_logging(_log_state.LogState):
     ``log=`` sets it to that step. Without one, ``step=`` counts the log calls.
 
     ``log(loss=loss, acc=acc)`` keeps each value as a detached tensor on its device: no
-    host-device sync, no autograd graph kept alive. Every ``every`` calls (and on
-    ``flush()`` or leaving ``with log:``) each metric is reduced (``mean`` by default;
-    ``reduce="max"`` or ``reduce={"acc": "max"}`` picks ``sum``/``max``/``min``/``last``)
-    and ``sink`` gets one dict of Python floats: the values are read from the device in a
-    single transfer and reduced on the host, sums exactly rounded (``math.fsum``, so integer
-    and float64 counters stay exact on any device while each value fits a float64), and a
-    NaN among the values always comes out as NaN, for tensors and Python numbers alike.
+    host-device sync, no autograd graph kept alive, no copy (a tensor changed in place after
+    it was logged is read as changed: log a clone of one you go on to change). Every
+    ``every`` calls (and on ``flush()`` or leaving ``with log:``) each metric is reduced
+    (``mean`` by default; ``reduce="max"`` or ``reduce={"acc": "max"}`` picks ``sum``/
+    ``max``/``min``/``last``) and ``sink`` gets one dict of Python floats: the values are
+    read from the device in a single transfer and reduced on the host, sums exactly rounded
+    (``math.fsum``, so integer and float64 counters stay exact on any device while each value
+    fits a float64), and a NaN among the values always comes out as NaN, for tensors and
+    Python numbers alike.
     ``@log`` on a function returning a scalar tensor or a dict of them records its result
     and returns it unchanged.
 
