@@ -87,15 +87,38 @@ def counted_length(source: object) -> int | None:
     return n if isinstance(n, int) and n >= 0 else None
 
 
+# Samplers whose ``len()`` is the whole pass's after a resume too (torch's, torchdata's
+# resumable ones), by qualified name: torchdata is optional, and a subclass may count otherwise.
+_WHOLE_PASS_SAMPLERS = frozenset(
+    f"{prefix}.{name}"
+    for prefix, names in {
+        "torch.utils.data.sampler": ("SequentialSampler", "RandomSampler",
+                                     "SubsetRandomSampler", "WeightedRandomSampler",
+                                     "BatchSampler"),
+        "torch.utils.data.distributed": ("DistributedSampler",),
+        "torchdata.stateful_dataloader.sampler": ("RandomSampler", "BatchSampler",
+                                                  "StatefulDistributedSampler"),
+    }.items()
+    for name in names
+)  # fmt: skip
+
+
 def _whole_pass_length(source: object) -> bool:
     """Whether ``len(source)`` is the whole pass's even when a resume put it back part-way:
-    a ``DataLoader`` over a map-style data set (its length is its sampler's; torchdata's
-    StatefulDataLoader). Another stateful iterable's ``len()`` may count what it has left, and
-    counting its resumed pass from what was done would take its batches early (a batch asked
-    for past a count that was short confirms there are more: the windows stay right, but the
-    draws move), so its resumed pass counts from its start and a ragged last window closes
-    when the loop asks past it."""
-    return isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset)
+    a ``DataLoader`` over a map-style data set whose samplers are torch's or torchdata's own
+    (torchdata's StatefulDataLoader as built). Another stateful iterable's ``len()`` may count
+    what it has left (a user's resumable sampler, say), and counting its resumed pass from
+    what was done would take its batches early (a batch asked for past a count that was
+    short confirms there are more: the windows stay right, but the draws move), so its
+    resumed pass counts from its start and a ragged last window closes when the loop asks
+    past it."""
+    if not isinstance(source, DataLoader) or isinstance(source.dataset, IterableDataset):
+        return False
+    samplers = (source.sampler, source.batch_sampler)
+    return all(
+        s is None or f"{type(s).__module__}.{type(s).__qualname__}" in _WHOLE_PASS_SAMPLERS
+        for s in samplers
+    )
 
 
 def marked(

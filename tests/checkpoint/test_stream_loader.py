@@ -377,3 +377,82 @@ def test_the_epoch_axis_goes_on_with_the_resumed_pass(
     # Resumed after a pass's last batch, the loader's next pass hands out nothing.
     rest = run(tmp_path / "run", None, True, 3 - (save_at - 1) // 3)
     assert first + rest == whole
+
+
+class _DrawingItems(torch.utils.data.Dataset[torch.Tensor]):
+    """A map-style data set that draws a random number here as it makes each item."""
+
+    def __len__(self) -> int:
+        return 18
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i / 100, torch.rand(()).item(), 1.0])
+
+
+class _LeftSampler(torch.utils.data.Sampler[int]):
+    """A user's resumable sampler whose ``len()`` counts the indices it has left."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.start, self.at = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        first, self.start = self.start, 0
+        for i in range(first, self.n):
+            self.at = i + 1
+            yield i
+        self.at = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["at"]
+
+
+def _drawn_run(
+    tmp: Path, sampler: bool, save_at: int | None, resume: bool, passes: int
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """A StatefulDataLoader (18 items drawing random numbers, batches of 4, no workers; a
+    ``_LeftSampler`` or its own), a dropout model, accumulate=2: after each micro-step the
+    update and the batch, and the weights at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = loopkit.step(model, opt, accumulate=2)
+    order = _LeftSampler(18) if sampler else None
+    loader = StatefulDataLoader(_DrawingItems(), batch_size=4, sampler=order)
+    ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, loader=loader)
+    if resume:
+        ckpt.resume()
+    seen: list[Any] = []
+    for _ in range(passes):
+        for x in step.iterate(loader):
+            with step as s:
+                s.backward(model(x).pow(2).mean())
+            seen.append((step.updates, x.tolist()))
+            if step.updates == save_at and step.accumulator.micro_step == 0:
+                ckpt.save()
+                return seen, [p.detach().clone() for p in model.parameters()]
+    return seen, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("sampler", [False, True], ids=["own sampler", "user's sampler"])
+@pytest.mark.parametrize("save_at", [1, 2, 4])
+def test_a_resumed_pass_takes_no_batch_before_the_loop_asks(
+    tmp_path: Path, sampler: bool, save_at: int
+) -> None:
+    """A StatefulDataLoader whose items draw random numbers here, resumed part-way: its own
+    samplers' ``len()`` is the whole pass's (counted on from the batches done, the ragged last
+    window closed in its micro-step); a user's resumable sampler's may count what is left (a
+    DataLoader is not enough to know: counted from the resume). Either way no batch is taken
+    before the loop asks, so the data's draws and dropout's interleave as uninterrupted:
+    every update and batch, and the weights, are the uninterrupted run's."""
+    whole, weights = _drawn_run(tmp_path / "whole", sampler, None, False, 2)
+    first, _ = _drawn_run(tmp_path / "run", sampler, save_at, False, 2)
+    rest, resumed = _drawn_run(tmp_path / "run", sampler, None, True, 2 - save_at // 3)
+    assert first + rest == whole
+    for a, b in zip(weights, resumed, strict=True):
+        assert torch.equal(a, b)
