@@ -5,7 +5,7 @@ call back (a failed flush leaves the log as if the call was never made)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,7 +128,10 @@ def take_back(values: dict[str, list[Value]], names: Iterable[str]) -> None:
             del values[name]
 
 
-def _checked(name: object, v: object, previous: list[Value] | None) -> Value:
+def check_value(name: object, v: object) -> None:
+    """Refuse what no log takes, whatever it logged before: a name not a str, a tensor of
+    more than one value or a complex one, an int too large for a float, anything but a tensor
+    or a real number (each message says how to log it)."""
     if not isinstance(name, str):
         raise TypeError(
             f"metric names must be str, got {type(name).__name__}: {name!r}; log(loss=loss) or "
@@ -142,30 +145,56 @@ def _checked(name: object, v: object, previous: list[Value] | None) -> Value:
             )
         if v.is_complex():
             raise ValueError(f"metric {name!r} is complex: log its .abs() or .real")
-        if previous:
-            if not isinstance(previous[0], torch.Tensor):
-                raise TypeError(
-                    f"metric {name!r} was a Python number before and is a tensor now: log it "
-                    "the same way every call"
-                )
-            if previous[0].device != v.device:
-                raise ValueError(
-                    f"metric {name!r} was on {previous[0].device} before and is on {v.device} "
-                    f"now: log it from the same device every call (or .to() it first)"
-                )
-        # Stored 0-d, so the flush stacks them without reshaping each one.
-        return v.detach() if v.dim() == 0 else v.detach().reshape(())
+        return
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if previous and isinstance(previous[0], torch.Tensor):
-            raise TypeError(
-                f"metric {name!r} was a tensor before and is a Python number now: log it "
-                "the same way every call"
-            )
         try:
-            return float(v)
+            float(v)
         except OverflowError:
             raise ValueError(
                 f"metric {name!r} is an int of {len(str(abs(int(v))))} digits, too large for a "
                 "float: log it scaled down"
             ) from None
+        return
     raise TypeError(f"metric {name!r} must be a scalar tensor or a number, got {type(v).__name__}")
+
+
+def added(record: dict[str, Any] | None, metrics: Mapping[str, object]) -> dict[str, Any]:
+    """``record`` (None: a new one) with ``metrics`` added, each checked by ``check_value``
+    first: a step's ``log_metrics``, refused before its micro-step's update, not after."""
+    for name, value in metrics.items():
+        check_value(name, value)
+    if record is None:
+        return dict(metrics)
+    record.update(metrics)
+    return record
+
+
+def check_alike(name: str, v: torch.Tensor | float, before: Value) -> None:
+    """Refuse a metric's value logged another way than ``before`` (a tensor where it was a
+    number, or the reverse; a tensor on another device)."""
+    if isinstance(v, torch.Tensor):
+        if not isinstance(before, torch.Tensor):
+            raise TypeError(
+                f"metric {name!r} was a Python number before and is a tensor now: log it "
+                "the same way every call"
+            )
+        if before.device != v.device:
+            raise ValueError(
+                f"metric {name!r} was on {before.device} before and is on {v.device} "
+                f"now: log it from the same device every call (or .to() it first)"
+            )
+    elif isinstance(before, torch.Tensor):
+        raise TypeError(
+            f"metric {name!r} was a tensor before and is a Python number now: log it "
+            "the same way every call"
+        )
+
+
+def _checked(name: object, v: object, previous: list[Value] | None) -> Value:
+    check_value(name, v)
+    if previous:
+        check_alike(cast(str, name), cast("torch.Tensor | float", v), previous[0])
+    if isinstance(v, torch.Tensor):
+        # Stored 0-d, so the flush stacks them without reshaping each one.
+        return v.detach() if v.dim() == 0 else v.detach().reshape(())
+    return float(cast(float, v))

@@ -21,7 +21,7 @@ from .._compile._options import CompileLike
 from .._data._to_device import Mover
 from .._devices import model_device, resolve_device, same_device
 from .._ema import _average
-from .._logging import _detach
+from .._logging import _detach, _recording
 from .._observe import _doctor
 from .._parallel._grad_sync import unwrap
 from .._precision import autocast_step
@@ -205,9 +205,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
         """Add metrics to this micro-step's log record (needs ``log=``)."""
         if self.log is None:
             raise RuntimeError("this step has no log: build it with log=N or log=detach_logging()")
-        if self._extra is None:
-            self._extra = {}
-        self._extra.update(metrics)
+        self._extra = _recording.added(self._extra, metrics)  # (refused here, not at exit)
 
     def _exit(self, exc_type: type[BaseException] | None, exc: BaseException | None,
               tb: TracebackType | None) -> bool:  # fmt: skip

@@ -151,6 +151,8 @@ class steps:
                         acc._closed_by_group = None
                         m.chunks.share = None if m.chunks.size is None or by_member else share
                         m.chunks.batch_last = j == len(parts)
+                        if j == 1:  # a batch's record holds its own chunks' only
+                            m.chunks.record = []
                         if m.doctor is not None:  # its FLOPs scale by each micro-step's samples
                             m.doctor.step_samples(_micro_batch.leading_size(part))
                     self._ends = item_ends

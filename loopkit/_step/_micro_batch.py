@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +21,8 @@ from torch import nn
 
 from .. import _ranks
 from .._checks import is_int_at_least
+from .._logging._recording import check_alike, check_value
+from .._logging._reductions import fsum, partial_floats, wide_dtype
 from .._parallel._grad_sync import no_sync, sync_kind
 from . import _batch_layout, _last_batch
 
@@ -137,25 +138,36 @@ def combined(parts: list[tuple[Any, dict[str, Any]]], how: Callable[[str], str])
     """A batch's record from its chunks' ``(weight, record)``: per metric, by its reduction,
     what the whole batch would have logged. A mean is weighted by the chunks' weights (their
     shares of the samples, or the ``weight=`` given: tokens); ``sum`` adds, ``max``/``min``
-    and ``last`` pick. Device tensors stay on the device (no host sync)."""
+    pick (a NaN among them shows) and ``last`` picks the last. Tensors combine in the log's
+    wide dtype (float64: a counter stays exact) and stay on their device (no host sync);
+    Python numbers combine as the log reduces them. Refused, as the log would refuse them,
+    before anything is combined: values no log takes, a metric logged as a tensor by one
+    chunk and a number (or a tensor elsewhere) by another."""
+    by_name: dict[str, list[tuple[Any, Any]]] = {}
+    for w, record in parts:
+        for name, v in record.items():
+            check_value(name, v)
+            pairs = by_name.setdefault(name, [])
+            if pairs:
+                check_alike(name, v, pairs[0][1])
+            pairs.append((w, v))
     out: dict[str, Any] = {}
-    names = list(dict.fromkeys(name for _, record in parts for name in record))
-    for name in names:
-        pairs = [(w, record[name]) for w, record in parts if name in record]
+    for name, pairs in by_name.items():
         values = [v for _, v in pairs]
         reduction = how(name)
         if reduction == "last":
             out[name] = values[-1]
-        elif all(not isinstance(v, torch.Tensor) for v in values):
+        elif not isinstance(values[0], torch.Tensor):
             out[name] = _combined_numbers(pairs, reduction)
         else:
-            t = torch.stack([torch.as_tensor(v).float().reshape(()) for v in values])
+            wide = wide_dtype(values[0].device)
+            t = torch.stack([v.detach().reshape(()).to(wide) for v in values])
             if reduction == "sum":
                 out[name] = t.sum()
             elif reduction in ("max", "min"):
-                out[name] = t.max() if reduction == "max" else t.min()
+                out[name] = t.max() if reduction == "max" else t.min()  # (NaN propagates)
             else:
-                weights = torch.stack([torch.as_tensor(w, device=t.device).float().reshape(())
+                weights = torch.stack([torch.as_tensor(w, device=t.device).to(wide).reshape(())
                                        for w, _ in pairs])  # fmt: skip
                 out[name] = (t * weights).sum() / weights.sum()
     return out
@@ -163,14 +175,12 @@ def combined(parts: list[tuple[Any, dict[str, Any]]], how: Callable[[str], str])
 
 def _combined_numbers(pairs: list[tuple[Any, Any]], reduction: str) -> float:
     values = [float(v) for _, v in pairs]
-    if reduction == "sum":
-        return math.fsum(values)
-    if reduction in ("max", "min"):
-        return max(values) if reduction == "max" else min(values)
+    if reduction in ("sum", "max", "min"):
+        return partial_floats(values, reduction)  # the log's own: IEEE sums, NaN shows
     if len(set(values)) == 1:
         return values[0]  # a constant (the lr): exactly itself
     weights = [float(w) for w, _ in pairs]
-    return math.fsum(w * v for w, v in zip(weights, values, strict=True)) / math.fsum(weights)
+    return fsum([w * v for w, v in zip(weights, values, strict=True)]) / fsum(weights)
 
 
 def check_micro_batch(micro_batch: object) -> None:
@@ -246,6 +256,8 @@ def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> I
                         acc._final_pending = True
                     state.share, state.redo = share, False
                     state.batch_last = j == len(parts)
+                    if j == 1:  # a batch's record holds its own chunks' (one sat out: gone)
+                        state.record = []
                     if state.batch_last:  # a whole batch handed out (a save in it counts it)
                         seen.batches += 1
                     yield chunk
