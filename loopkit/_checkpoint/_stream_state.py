@@ -38,9 +38,7 @@ class StreamState:
         _consumed.watch(loader)  # iterate records its state before each batch it takes ahead
 
     def state_dict(self) -> dict[str, object]:
-        state: dict[str, object] = {
-            "loader": _consumed.state_of(self.loader, self.loader.state_dict)
-        }
+        state: dict[str, object] = {"loader": _consumed.state_of(self.loader, self._own)}
         generator = getattr(self.loader, "generator", None)
         if isinstance(generator, torch.Generator):  # the loader's own shuffling stream
             state["generator"] = generator.get_state()
@@ -61,6 +59,16 @@ class StreamState:
                 f"holds its own part of the stream), and this loader has {workers}: build "
                 f"it with num_workers={saved_workers} to resume it"
             )
+
+    def _own(self) -> object:
+        """The loader's own state; torchdata's, loaded and not iterated since, is the state
+        loaded into it (its ``state_dict()`` would start an iterator whose data set, given
+        the state only as its pass starts, reports the stream's start: a save right after a
+        resume would hold the start)."""
+        pending = getattr(self.loader, "next_iter_state", None)
+        if pending is not None and getattr(self.loader, "_iterator", None) is None:
+            return pending
+        return self.loader.state_dict()
 
     def snapshot(self) -> tuple[str, object, object]:
         generator = getattr(self.loader, "generator", None)

@@ -58,7 +58,12 @@ class Boundaries:
         A window whose update was skipped is reported too, with the unchanged count.
         """
         acc = self._acc
-        if acc is not None and acc._window.micro and acc._progress is self._load:
+        if (
+            acc is not None
+            and acc._window.micro
+            and not acc._window.overdue  # (closed by settle() below)
+            and acc._progress is self._load
+        ):
             # Asked mid-window, not resumed since: the common answer, with no call (what
             # follows would find the same: the load seen, settle() a nonzero micro-step).
             return None

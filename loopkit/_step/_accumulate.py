@@ -177,8 +177,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         """Whether the current (or, outside ``with``, the next) micro-step ends a window."""
         if self._inside:
             return self._ending
-        by_count = self._window.micro + 1 >= self.every and not self._by_marks
-        return by_count or self._final_pending
+        micro = 0 if self._window.overdue else self._window.micro  # (closes as the next opens)
+        return (micro + 1 >= self.every and not self._by_marks) or self._final_pending
 
     @property
     def micro_step(self) -> int:
@@ -186,7 +186,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         return self._window.micro
 
     def settle(self) -> int:
-        """``micro_step`` as loop control reads it (a group closes windows there first)."""
+        """``micro_step`` as loop control reads it: an overdue window closes there first."""
+        _close_overdue(self)
         return self._window.micro
 
     # -- the micro-step ---------------------------------------------------------------------
@@ -194,6 +195,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     def _enter(self) -> accumulate:
         if self._inside or self._closed_by_group is not None:
             raise RuntimeError(_NESTED if self._inside else self._closed_by_group)
+        if self._window.overdue:  # the last window's ending micro-step raised: it ends now
+            _close_window(self)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
         ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
@@ -203,10 +206,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             window.cleared_foreign, self._progress.norm_source = self._params.clear_grads(), None
         if self._kind != "none":  # (without a wrapper nothing to turn off: no call)
             self._sync.enter(ending)
-        self._final_pending = False  # the mark is for this one micro-step only
-        self._ending = ending
-        self._inside = True
-        self._did_backward = False
+        self._final_pending, self._ending = False, ending  # (the mark: this micro-step's only)
+        self._inside, self._did_backward = True, False
         window.micro += 1
         self._guard.entered(window.micro, self.iterating > 0)
         return self
@@ -256,6 +257,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         if exc_type is not None:
             self._guard.raised()
             self._window.failed += 1
+            self._window.overdue = self._ending
         try:
             if self._sync.entered:
                 self._sync.exit(exc_type, exc, tb)
@@ -298,7 +300,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         if self._inside:
             raise RuntimeError("iterate() inside `with acc:`: loop over acc.iterate(loader) "
                                "and enter the micro-step inside the loop")  # fmt: skip
-        return _marking_last(self, source, items, move, done)
+        return _last_batch.marking(self, source, items, move, done)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -341,6 +343,12 @@ def _trained_from_outside(acc: accumulate) -> bool:
     )
 
 
+def _close_overdue(acc: accumulate) -> None:
+    """Close a window whose ending micro-step raised (``Window.overdue``), outside ``with``."""
+    if acc._window.overdue and not acc._inside:
+        _close_window(acc)
+
+
 def _close_window(acc: accumulate) -> bool:
     """A window ends: its update (or none), then the next window starts clean; an exception
     drops the window as if it never happened."""
@@ -368,32 +376,3 @@ def _close_window(acc: accumulate) -> bool:
         acc._window = Window()
         acc._guard.window_closed()
         acc._reach = None if window.n_backward else acc._reach  # checked: first window
-
-
-def _marking_last(
-    acc: accumulate, source: object, items: Iterable[T], move: _Move, done: int
-) -> Iterator[T]:
-    """acc.iterate's generator: close a left-over window, mark the pass's last item
-    (``_last_batch``: looked ahead or counted), close a window the items left open."""
-    window = acc._window
-    if window.micro:
-        if acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
-            # FSDP cannot reduce the left-over gradients by hand: the first micro-step of
-            # this pass syncs and closes that window (the one case a window spans two).
-            acc._final_pending = True
-        else:
-            acc.flush()
-    acc.iterating += 1
-    try:
-        for item, last in _last_batch.marked(acc, source, items, move, done):
-            if last:  # (an FSDP left-over mark above stays for the first micro-step)
-                acc._final_pending = True
-            yield item
-        # The items ended before the one counted last (a length not kept): their window
-        # closes now, before the loop goes on.
-        if acc._window.micro and not acc._inside:
-            acc.flush()
-    finally:
-        acc.iterating -= 1
-        acc._final_pending = False
-        acc.lookahead = 0

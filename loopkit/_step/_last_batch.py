@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils.data import (
@@ -250,3 +250,39 @@ def _ahead_tracked(
         holder.lookahead = 1
         track.hold(state)
         yield cur, False
+
+
+def marking(
+    acc: Any,
+    source: object,
+    items: Iterable[T],
+    move: Callable[[Any], Any] | None,
+    done: int,
+) -> Iterator[T]:
+    """``acc.iterate``'s generator (``acc``: the accumulate): close a left-over window, mark
+    the pass's last item (``marked``: looked ahead or counted), close a window the items
+    left open (or one whose ending micro-step raised, as the loop goes on to the next item)."""
+    window = acc._window
+    if window.micro:
+        if acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
+            # FSDP cannot reduce the left-over gradients by hand: the first micro-step of
+            # this pass syncs and closes that window (the one case a window spans two).
+            acc._final_pending = True
+        else:
+            acc.flush()
+    acc.iterating += 1
+    try:
+        for item, last in marked(acc, source, items, move, done):
+            if last:  # (an FSDP left-over mark above stays for the first micro-step)
+                acc._final_pending = True
+            yield item
+            if acc._window.overdue and not acc._inside:  # the loop goes on to the next item
+                acc.flush()
+        # The items ended before the one counted last (a length not kept): their window
+        # closes now, before the loop goes on.
+        if acc._window.micro and not acc._inside:
+            acc.flush()
+    finally:
+        acc.iterating -= 1
+        acc._final_pending = False
+        acc.lookahead = 0

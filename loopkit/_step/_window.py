@@ -21,6 +21,7 @@ class Window:
         "loss_finite",
         "micro",
         "n_backward",
+        "overdue",
         "weight_min",
         "weight_sum",
         "weighted",
@@ -36,6 +37,10 @@ class Window:
         self.last_synced = True  # whether the last backward ran with gradient sync
         self.cleared_foreign = False  # gradients from elsewhere were cleared when it opened
         self.failed = 0  # micro-steps that ended in an exception (a skipped bad batch)
+        self.overdue = False
+        """Its last micro-step was to end it and raised: it closes when the loop goes on (the
+        next micro-step, loop control, the next batch asked for, ``flush``), so the windows
+        after a skipped bad batch stay where they were, not one batch later."""
 
     def add_backward(
         self, weight: Any, weighted: bool, finite: torch.Tensor | None, synced: bool

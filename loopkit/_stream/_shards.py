@@ -90,6 +90,11 @@ def remaining(
     return int(first["epoch"]), [left[i] for i in sorted(left)], None if end is None else int(end)
 
 
+def _share_of(state: Mapping[str, Any]) -> list[Item]:
+    """The shards (and places) this rank's worker reads in the state's epoch."""
+    return share(_items(state), state["rank"], state["world"], state["worker"], state["workers"])
+
+
 def _items(state: Mapping[str, Any]) -> list[Item]:
     if state["plan"] is not None:
         return [(int(s), int(p)) for s, p in state["plan"]]
@@ -213,14 +218,15 @@ class stream_shards(IterableDataset[T], Generic[S, T]):
 
     def _pass(self, state: dict[str, Any]) -> Iterator[Any]:
         while True:
+            if state["end"] is None and state["plan"] is None and not _share_of(state):
+                return  # no shard for this worker, in any epoch: it reads nothing (not spins)
             yield from self._epoch(state)
             if state["end"] is not None and state["epoch"] + 1 >= state["end"]:
                 return
             state.update(epoch=state["epoch"] + 1, plan=None, at=0, place=None)
 
     def _epoch(self, state: dict[str, Any]) -> Iterator[Any]:
-        where = (state["rank"], state["world"], state["worker"], state["workers"])
-        items = share(_items(state), *where)
+        items = _share_of(state)
         epoch = state["epoch"]
         for i in range(state["at"], len(items)):
             shard, start = items[i]

@@ -77,8 +77,9 @@ def _closed(loader: Any) -> Iterator[None]:
 
 
 def _run(
-    directory: Path, kind: str, workers: int, how: str, stop_at: int | None = None
-) -> tuple[list[int], torch.Tensor]:
+    directory: Path, kind: str, workers: int, how: str, stop_at: int | None = None,
+    save_first: bool = False,
+) -> tuple[list[int], torch.Tensor]:  # fmt: skip
     torch.manual_seed(0)
     loader = StatefulDataLoader(_data(kind), batch_size=4, num_workers=workers,
                                 shuffle=True if kind == "map" else None)  # fmt: skip
@@ -89,6 +90,9 @@ def _run(
     ckpt = loopkit.Checkpointer(directory, model=net, optimizer=opt, step=step, **where)
     ckpt.resume()
     seen: list[int] = []
+    if save_first:  # a relaunch killed right after its first save, before its first batch
+        ckpt.save()
+        return seen, net[0].weight.detach().clone()
     while step.updates < UPDATES:
         # A pass left mid-way is closed at once (its workers stop now, not when collected).
         batches = step.iterate(loader) if how.startswith("iterate") else iter(loader)
@@ -129,6 +133,22 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(
     head, _ = _run(tmp_path / "b", kind, workers, how, stop_at)
     tail, w_tail = _run(tmp_path / "b", kind, workers, how)
     assert len(whole) == UPDATES * 8 and head + tail == whole
+    assert torch.equal(w_tail, w_whole)
+
+
+@pytest.mark.parametrize(("kind", "workers"), [("stream", 0), ("map", 0), ("stream", 2)])
+def test_a_save_right_after_a_resume_holds_the_resumed_place(
+    tmp_path: Path, kind: str, workers: int
+) -> None:
+    """A relaunch that resumes and saves before its first batch (then is killed) saves the
+    place it resumed at: the next relaunch goes on from there, bit-identical. torchdata's
+    loader, loaded and not iterated, reported its iterable data set's start, and the next
+    relaunch trained the stream's first samples again."""
+    whole, w_whole = _run(tmp_path / "a", kind, workers, "iterate")
+    head, _ = _run(tmp_path / "b", kind, workers, "iterate", stop_at=3)
+    _run(tmp_path / "b", kind, workers, "iterate", save_first=True)
+    tail, w_tail = _run(tmp_path / "b", kind, workers, "iterate")
+    assert head + tail == whole
     assert torch.equal(w_tail, w_whole)
 
 

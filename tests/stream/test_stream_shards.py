@@ -10,6 +10,7 @@ the pass, dealt to another number of ranks, is every unread sample once.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -212,3 +213,26 @@ def test_a_transform_leaves_the_loops_random_streams_alone() -> None:
         next(it)
         got.append(torch.rand(1))
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def _within(seconds: float, make: Any) -> Any:
+    """``make()`` run in a thread: its result, or a failure if it has not returned by then
+    (a spinning generator: the daemon thread is left behind)."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(make()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"still running after {seconds} s"
+    return out[0]
+
+
+def test_a_rank_with_no_shard_reads_nothing_for_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``passes=None`` with fewer shards than ranks: the rank with none reads nothing (its
+    pass ends at once), as documented; it spun for ever without yielding (a hung loader,
+    and a worker process at 100% CPU that outlived its parent)."""
+    as_rank(monkeypatch, 1, 2)
+    assert _within(20, lambda: list(loopkit.stream_shards([0], read, passes=None))) == []
+    as_rank(monkeypatch, 0, 2)
+    endless = iter(loopkit.stream_shards([0], read, passes=None))
+    ids = [s["id"] for s in itertools.islice(endless, 10)]  # one shard of 5, each epoch
+    assert sorted(ids[:5]) == sorted(ids[5:]) == [0, 1, 2, 3, 4]

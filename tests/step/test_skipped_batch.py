@@ -1,0 +1,196 @@
+"""A batch the loop skips by catching its micro-step's exception: its window still ends where
+it would have (every ``accumulate``-th batch and the pass's last), made of the micro-steps
+that succeeded, so the windows after it stay on the loader's positions."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import loopkit
+from loopkit import distributed
+
+
+class _BadBatch(Exception):
+    """The loop's own check rejecting a batch."""
+
+
+def _data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(4, 3, generator=g, dtype=torch.float64),
+         torch.randn(4, 1, generator=g, dtype=torch.float64))
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 1).double()
+
+
+def _reference(
+    data: list[tuple[torch.Tensor, torch.Tensor]], every: int, bad: set[int]
+) -> list[torch.Tensor]:
+    """By hand: windows of ``every`` positions (the last ragged), each the mean of its good
+    batches' gradients, no update for a window with none."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for start in range(0, len(data), every):
+        good = [i for i in range(start, min(start + every, len(data))) if i not in bad]
+        if not good:
+            continue
+        opt.zero_grad()
+        for i in good:
+            x, y = data[i]
+            (nn.functional.mse_loss(model(x), y) / len(good)).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _windows_before(i: int, n: int, every: int, bad: set[int]) -> int:
+    """Updates made by windows that end before position ``i`` (those with a good batch)."""
+    ends = [e for e in range(n) if (e + 1) % every == 0 or e == n - 1]
+    return sum(
+        1 for e in ends if e < i and any(j not in bad for j in range(e - (e % every), e + 1))
+    )
+
+
+CASES = [(2, {1}), (2, {0}), (3, {2, 3}), (3, {6}), (2, {5, 6}), (3, {1, 2}), (1, {3})]
+
+
+@pytest.mark.parametrize(("every", "bad"), CASES)
+def test_windows_stay_on_the_loaders_positions_when_a_batch_raises(
+    every: int, bad: set[int]
+) -> None:
+    """At the top of every batch, ``step.updates`` counts the windows that ended before it
+    (a skipped batch at a window's end no longer pushes every later window one batch on),
+    and the weights are the hand loop's: each window the mean of its good batches."""
+    data = _data(7)
+    model = _model()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        accumulate=every)  # fmt: skip
+    for i, (x, y) in enumerate(step.iterate(data)):
+        assert step.updates == _windows_before(i, len(data), every, bad), i
+        try:
+            with step as s:
+                if i in bad:
+                    raise _BadBatch(i)
+                s.backward(nn.functional.mse_loss(model(x), y))
+        except _BadBatch:
+            pass
+    assert step.updates == _windows_before(len(data), len(data), every, bad)
+    assert step.micro_step == 0
+    for ours, ref in zip(model.parameters(), _reference(data, every, bad), strict=True):
+        torch.testing.assert_close(ours.detach(), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("every", "bad"), CASES)
+def test_a_plain_loop_counting_windows_keeps_them_on_multiples(every: int, bad: set[int]) -> None:
+    """Without ``iterate`` (windows counted): the window closes as the next micro-step opens
+    or at ``flush()``, and the updates are the hand loop's on windows of ``every`` batches."""
+    data = _data(7)
+    model = _model()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        accumulate=every)  # fmt: skip
+    for i, (x, y) in enumerate(data):
+        try:
+            with step as s:
+                if i in bad:
+                    raise _BadBatch(i)
+                s.backward(nn.functional.mse_loss(model(x), y))
+        except _BadBatch:
+            if (i + 1) % every == 0 and every > 1:  # its window ended: the next opens one
+                assert not step.ends_window
+    step.flush()
+    assert step.updates == _windows_before(len(data), len(data), every, bad)
+    for ours, ref in zip(model.parameters(), _reference(data, every, bad), strict=True):
+        torch.testing.assert_close(ours.detach(), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [1, 3, 9])
+def test_a_per_epoch_cadence_takes_a_loop_that_skips_a_batch(bad: int) -> None:
+    """cadence(per_epoch=2) over a pass of 10 batches (accumulate 2) with one batch skipped
+    at a window's end fires where it fires without the skip; it refused the loop ("a window
+    ended 3 batches into the pass") once the windows had moved by one batch."""
+
+    def fired(skip: int | None) -> list[int]:
+        data = torch.utils.data.TensorDataset(torch.randn(80, 4), torch.randn(80, 1))
+        torch.manual_seed(1)
+        model = nn.Linear(4, 1)
+        loader = distributed.loader(data, batch_size=8, shuffle=False, num_workers=0)
+        step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+        validate = loopkit.cadence(step, per_epoch=2, loader=loader)
+        at = []
+        for i, (x, y) in enumerate(step.iterate(loader)):
+            try:
+                with step as s:
+                    if i == skip:
+                        raise _BadBatch(i)
+                    s.backward(nn.functional.mse_loss(model(x), y))
+            except _BadBatch:
+                pass
+            if validate.due():
+                at.append(i)
+        assert step.updates == 5
+        return at
+
+    assert fired(bad) == fired(None)
+
+
+def test_a_save_after_the_raise_closes_the_window_first() -> None:
+    """A save in the loop's handler of a window's failed last micro-step makes that window's
+    update first (its good micro-steps), then saves at the boundary; it was refused as a save
+    mid-window."""
+    data = _data(4)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step)
+        for i, (x, y) in enumerate(step.iterate(data)):
+            try:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                    if i == 1:
+                        raise _BadBatch(i)  # after its backward: that stays in the window
+            except _BadBatch:
+                ckpt.save()
+                assert step.updates == 1 and step.micro_step == 0
+                saved = [p.detach().clone() for p in model.parameters()]
+            else:
+                if i == 3:
+                    assert step.updates == 2
+        fresh = _model()
+        opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        again = loopkit.step(fresh, opt2, accumulate=2)
+        loopkit.Checkpointer(tmp, model=fresh, optimizer=opt2, step=again).resume()
+        assert again.updates == 1
+        assert all(torch.equal(a, b) for a, b in zip(saved, fresh.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("chunk", [2, 3])
+def test_micro_batch_windows_stay_aligned_when_a_last_chunk_raises(chunk: int) -> None:
+    """micro_batch=: a window's last batch whose last chunk raises ends its window there too;
+    the next batch opens a new one."""
+    data = [(torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64))
+            for _ in range(6)]  # fmt: skip
+    model = _model()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+                        micro_batch=chunk)  # fmt: skip
+    per_batch = -(-6 // chunk)
+    tops = []
+    for k, (x, y) in enumerate(step.iterate(data)):
+        if k % per_batch == 0:
+            tops.append(step.updates)
+        try:
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+                if k == 2 * per_batch - 1:  # batch 1's last chunk: the first window's end
+                    raise _BadBatch(k)
+        except _BadBatch:
+            pass
+    assert tops == [0, 0, 1, 1, 2, 2] and step.updates == 3
