@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset
 from .._data import _consumed
 from .._errors import CheckpointError
 from .._stream import _shards, _shuffle_buffer
-from .._stream._resumed_pass import quiet_first_iterator
+from .._stream._resumed_pass import loaded_state, quiet_first_iterator, refuse_unsaved_order
 from .._stream._resumed_pass import undo as undo_quiet
 from ._contract import expect, need
 
@@ -61,14 +61,9 @@ class StreamState:
             )
 
     def _own(self) -> object:
-        """The loader's own state; torchdata's, loaded and not iterated since, is the state
-        loaded into it (its ``state_dict()`` would start an iterator whose data set, given
-        the state only as its pass starts, reports the stream's start: a save right after a
-        resume would hold the start)."""
-        pending = getattr(self.loader, "next_iter_state", None)
-        if pending is not None and getattr(self.loader, "_iterator", None) is None:
-            return pending
-        return self.loader.state_dict()
+        """The loader's own state (torchdata's, loaded and not iterated since: that state)."""
+        pending = loaded_state(self.loader)
+        return self.loader.state_dict() if pending is None else pending
 
     def snapshot(self) -> tuple[str, object, object]:
         generator = getattr(self.loader, "generator", None)
@@ -190,6 +185,7 @@ def stream_loader(loader: object) -> object:
                 f"loader must be iterable (the loop reads its batches), got "
                 f"{type(loader).__name__}: a stateful object that is not a loader goes in extra="
             )
+        refuse_unsaved_order(loader, "loader")
         dataset = getattr(loader, "dataset", None)
         if (
             hasattr(loader, "next_iter_state")

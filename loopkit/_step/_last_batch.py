@@ -44,6 +44,7 @@ from torch.utils.data import (
 
 from .._data import _consumed
 from .._data._epoch_loader import EpochLoader, training_iter
+from .._stream._replay import replayed
 
 T = TypeVar("T")
 
@@ -106,12 +107,15 @@ _WHOLE_PASS_SAMPLERS = frozenset(
 def _whole_pass_length(source: object) -> bool:
     """Whether ``len(source)`` is the whole pass's even when a resume put it back part-way:
     a ``DataLoader`` over a map-style data set whose samplers are torch's or torchdata's own
-    (torchdata's StatefulDataLoader as built). Another stateful iterable's ``len()`` may count
+    (torchdata's StatefulDataLoader as built), and ``loopkit.replayed`` (its loader's pass
+    read again from the start). Another stateful iterable's ``len()`` may count
     what it has left (a user's resumable sampler, say), and counting its resumed pass from
     what was done would take its batches early (a batch asked for past a count that was
     short confirms there are more: the windows stay right, but the draws move), so its
     resumed pass counts from its start and a ragged last window closes when the loop asks
     past it."""
+    if isinstance(source, replayed):  # its pass read again from the start: the whole pass's
+        return True
     if not isinstance(source, DataLoader) or isinstance(source.dataset, IterableDataset):
         return False
     samplers = (source.sampler, source.batch_sampler)

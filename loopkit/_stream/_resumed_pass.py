@@ -65,3 +65,35 @@ def undo(loader: object) -> None:
     hook = vars(loader).get(_HOOK) if hasattr(loader, "__dict__") else None
     if isinstance(hook, _FirstIterator):
         object.__delattr__(loader, _HOOK)
+
+
+def loaded_state(loader: object) -> object | None:
+    """The state loaded into torchdata's loader that no iterator has taken yet (None: none).
+    Its ``state_dict()`` then would start an iterator whose iterable data set, given the
+    state only as its pass starts, reports the stream's start: a save right after a resume
+    holds this state instead."""
+    pending = getattr(loader, "next_iter_state", None)
+    return pending if pending is not None and getattr(loader, "_iterator", None) is None else None
+
+
+def refuse_unsaved_order(loader: object, where: str) -> None:
+    """Refuse torchdata's loader over one of torch's random samplers (no ``state_dict``):
+    torchdata resumes such a pass by drawing a new order and skipping as many indices, so
+    the rest of the pass repeats some samples and skips others."""
+    if not hasattr(loader, "next_iter_state"):
+        return
+    from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    batches = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), getattr(batches, "sampler", None)):
+        if isinstance(
+            sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+        ) and not callable(getattr(sampler, "state_dict", None)):
+            raise TypeError(
+                f"{where} is a StatefulDataLoader over torch's {type(sampler).__name__}, "
+                "which cannot save its order: torchdata resumes its pass in a new order, "
+                "repeating some samples and skipping others. Build it with shuffle=True "
+                "(torchdata's own RandomSampler, saved with the loader) or "
+                "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(data set, "
+                "generator=...)"
+            )

@@ -136,20 +136,56 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(
     assert torch.equal(w_tail, w_whole)
 
 
-@pytest.mark.parametrize(("kind", "workers"), [("stream", 0), ("map", 0), ("stream", 2)])
+@pytest.mark.parametrize(
+    ("kind", "workers", "how"),
+    [("stream", 0, "iterate"), ("map", 0, "iterate"), ("stream", 2, "iterate"),
+     ("stream", 0, "iterate-extra")],
+)  # fmt: skip
 def test_a_save_right_after_a_resume_holds_the_resumed_place(
-    tmp_path: Path, kind: str, workers: int
+    tmp_path: Path, kind: str, workers: int, how: str
 ) -> None:
     """A relaunch that resumes and saves before its first batch (then is killed) saves the
     place it resumed at: the next relaunch goes on from there, bit-identical. torchdata's
     loader, loaded and not iterated, reported its iterable data set's start, and the next
     relaunch trained the stream's first samples again."""
-    whole, w_whole = _run(tmp_path / "a", kind, workers, "iterate")
-    head, _ = _run(tmp_path / "b", kind, workers, "iterate", stop_at=3)
-    _run(tmp_path / "b", kind, workers, "iterate", save_first=True)
-    tail, w_tail = _run(tmp_path / "b", kind, workers, "iterate")
+    whole, w_whole = _run(tmp_path / "a", kind, workers, how)
+    head, _ = _run(tmp_path / "b", kind, workers, how, stop_at=3)
+    _run(tmp_path / "b", kind, workers, how, save_first=True)
+    tail, w_tail = _run(tmp_path / "b", kind, workers, how)
     assert head + tail == whole
     assert torch.equal(w_tail, w_whole)
+
+
+def _samplers(data: Any) -> list[dict[str, Any]]:
+    random = torch.utils.data.RandomSampler(data)
+    return [
+        {"sampler": random},
+        {"sampler": torch.utils.data.SubsetRandomSampler(range(8))},
+        {"sampler": torch.utils.data.WeightedRandomSampler([1.0] * 8, 8)},
+        {"batch_sampler": torch.utils.data.BatchSampler(random, 4, drop_last=False)},
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("where", ["loader", "extra"])
+def test_torchs_random_samplers_in_a_stateful_loader_are_refused(
+    tmp_path: Path, case: int, where: str
+) -> None:
+    """A StatefulDataLoader over torch's RandomSampler (Subset, Weighted, or in a
+    BatchSampler) cannot save its order: torchdata resumed its pass in a new order (samples
+    repeated and skipped). Refused as the Checkpointer is built, naming shuffle=True, which
+    is accepted."""
+    data = _data("map")
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    kwargs = {"batch_size": 4} if "sampler" in _samplers(data)[case] else {}
+    loader = StatefulDataLoader(data, **kwargs, **_samplers(data)[case])
+    given = {"loader": loader} if where == "loader" else {"extra": {"data": loader}}
+    with pytest.raises(TypeError, match=r"cannot save its order.*shuffle=True"):
+        loopkit.Checkpointer(tmp_path, model=net, optimizer=opt, **given)
+    ok = StatefulDataLoader(data, batch_size=4, shuffle=True)
+    given = {"loader": ok} if where == "loader" else {"extra": {"data": ok}}
+    loopkit.Checkpointer(tmp_path, model=net, optimizer=opt, **given)
 
 
 def test_extra_refuses_a_loader_when_ranks_read_their_own_parts(

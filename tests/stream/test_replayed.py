@@ -139,3 +139,39 @@ def test_a_replayed_shuffled_map_loader_in_this_process_replays_its_order(tmp_pa
     head, _ = run(tmp_path / "b", 3)
     tail, w_tail = run(tmp_path / "b")
     assert head + tail == whole and torch.equal(w_tail, w_whole)
+
+
+@pytest.mark.parametrize(("samples", "accumulate", "stop_at"), [(10, 2, 1), (14, 3, 1), (9, 2, 2)])
+def test_a_resumed_replayed_pass_closes_its_ragged_window_in_its_own_micro_step(
+    tmp_path: Path, samples: int, accumulate: int, stop_at: int
+) -> None:
+    """A replayed loader's len() is its whole pass's, so its resumed pass is counted on from
+    the batches done: each micro-step's ``step.updates`` and the log's step axis are the
+    uninterrupted run's, the ragged last window included (it closed one micro-step late)."""
+    data = torch.utils.data.TensorDataset(torch.arange(float(samples))[:, None])
+
+    def run(directory: Path, stop: int | None) -> tuple[list[tuple[list[int], int]], list[int]]:
+        torch.manual_seed(0)
+        loader = loopkit.replayed(DataLoader(data, batch_size=2))
+        net = nn.Linear(1, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        rows: list[int] = []
+        log = loopkit.detach_logging(every=1, sink=lambda values, *, step: rows.append(step))
+        step = loopkit.step(net, opt, accumulate=accumulate, log=log)
+        ckpt = loopkit.Checkpointer(directory, model=net, optimizer=opt, step=step, loader=loader)
+        ckpt.resume()
+        seen = []
+        for (x,) in step.iterate(loader):
+            with step as s:
+                s.backward(net(x / 10).pow(2).mean())
+            seen.append((x[:, 0].long().tolist(), step.updates))
+            if step.updates == stop and step.updated:
+                ckpt.save()
+                break
+        return seen, rows
+
+    whole, whole_rows = run(tmp_path / "a", None)
+    head, head_rows = run(tmp_path / "b", stop_at)
+    tail, tail_rows = run(tmp_path / "b", None)
+    assert head + tail == whole
+    assert head_rows + tail_rows == whole_rows
