@@ -51,7 +51,9 @@ class _FirstIterator:
         own = generator.get_state() if isinstance(generator, torch.Generator) else None
         state = torch.get_rng_state()
         try:
-            return getattr(type(loader), _HOOK)(loader)
+            it = getattr(type(loader), _HOOK)(loader)
+            _finish_ended_pass(it)
+            return it
         finally:
             torch.set_rng_state(state)
             if own is not None:
@@ -65,6 +67,19 @@ def undo(loader: object) -> None:
     hook = vars(loader).get(_HOOK) if hasattr(loader, "__dict__") else None
     if isinstance(hook, _FirstIterator):
         object.__delattr__(loader, _HOOK)
+
+
+def _finish_ended_pass(it: object) -> None:
+    """A loaded pass that had ended (torchdata's fetcher of an iterable data set, no workers)
+    hands out nothing, but its data set was given the saved place (the pass's end) for an
+    iteration torchdata never starts: that iteration runs now (it ends at once, its draws
+    undone with the rest), so the next pass starts the data set afresh, as in the run that
+    saved (else that pass is a second empty one, and draws a seed the saved run did not)."""
+    fetcher = getattr(it, "_dataset_fetcher", None)
+    rest = getattr(fetcher, "dataset_iter", None)
+    if rest is not None and getattr(fetcher, "ended", False) is True:
+        for _ in rest:  # (nothing is left: the saved pass had ended)
+            pass
 
 
 def loaded_state(loader: object) -> object | None:
