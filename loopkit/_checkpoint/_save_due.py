@@ -38,11 +38,13 @@ def maybe_save(ckpt: Checkpointer, every: int) -> Path | None:
     if acc is None:
         raise RuntimeError("maybe_save needs step= (to count updates); call save() instead")
     raise_failed_write(ckpt)
+    if acc.settle():  # (first: it may close a window, an update counted below)
+        return None
     updates = acc.updates
     # Saved already: this update, unless a window skipped since (inf/nan) changed the
     # state without changing the count (its counters, the GradScaler, the data's place).
     saved = updates == ckpt.last_saved_update and holds_state(ckpt)
-    if not updates or acc.settle() or updates % every or saved:
+    if not updates or updates % every or saved:
         return None
     if updates == ckpt._deferred.update:
         return None

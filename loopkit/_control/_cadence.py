@@ -199,7 +199,9 @@ class cadence:
             raise RuntimeError(
                 f"a window ended {taken} batches into the pass, not at a multiple of "
                 f"{clock.every} nor at its end: the windows are not aligned with the loader's "
-                "passes, so per-epoch points would be missed; loop over step.iterate(loader)"
+                "passes, so per-epoch points would be missed; loop over step.iterate(loader) "
+                "(a loop that skips a bad batch: ask loop control after its failed micro-step "
+                "too, `except ...: pass`, not `continue`, so its window ends in its place)"
             )
         if self.kind == "per_epoch":
             return taken in self._marks

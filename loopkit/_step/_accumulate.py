@@ -177,8 +177,9 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         """Whether the current (or, outside ``with``, the next) micro-step ends a window."""
         if self._inside:
             return self._ending
-        micro = 0 if self._window.overdue else self._window.micro  # (closes as the next opens)
-        return (micro + 1 >= self.every and not self._by_marks) or self._final_pending
+        window = self._window
+        by_count = window.micro + 1 >= self.every and not self._by_marks
+        return by_count or self._final_pending or window.overdue
 
     @property
     def micro_step(self) -> int:
@@ -187,7 +188,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
 
     def settle(self) -> int:
         """``micro_step`` as loop control reads it: an overdue window closes there first."""
-        _close_overdue(self)
+        close_overdue(self)
         return self._window.micro
 
     # -- the micro-step ---------------------------------------------------------------------
@@ -195,11 +196,12 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
     def _enter(self) -> accumulate:
         if self._inside or self._closed_by_group is not None:
             raise RuntimeError(_NESTED if self._inside else self._closed_by_group)
-        if self._window.overdue:  # the last window's ending micro-step raised: it ends now
-            _close_window(self)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
+        # An overdue window (its ending micro-step raised, no loop control asked since: a
+        # loop that went on with `continue`) takes this micro-step too, as a hand loop does.
         ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
+        ending = ending or window.overdue
         if window.micro == 0:
             # A window opens: foreign gradients (another model's backward through this one,
             # code outside the step) and the last update's (a lazy grad_norm's) go.
@@ -343,10 +345,15 @@ def _trained_from_outside(acc: accumulate) -> bool:
     )
 
 
-def _close_overdue(acc: accumulate) -> None:
-    """Close a window whose ending micro-step raised (``Window.overdue``), outside ``with``."""
-    if acc._window.overdue and not acc._inside:
-        _close_window(acc)
+def close_overdue(acc: accumulate) -> None:
+    """Close a window whose ending micro-step raised (``Window.overdue``) where loop control
+    asks, outside ``with``: its update is made at its place. Not one FSDP would have to
+    reduce by hand (its last backward unsynced): the next micro-step syncs and closes it."""
+    window = acc._window
+    if window.overdue and not acc._inside:
+        fsdp = acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced
+        if not fsdp:
+            _close_window(acc)
 
 
 def _close_window(acc: accumulate) -> bool:

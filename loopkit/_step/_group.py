@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from .. import _ranks
 from .._parallel._grad_sync import no_sync, sync_kind
-from . import _compose, _feed, _last_batch, _micro_batch, _reach
+from . import _accumulate, _compose, _feed, _last_batch, _micro_batch, _reach
 from ._accumulate import accumulate
 from ._window import Window
 
@@ -99,6 +99,8 @@ class steps:
         call and a micro-step). Call it on every rank alike (a DDP member's window is then
         all-reduced). A member entered on that batch after it raises.
         """
+        for m in self.members:  # a member's window whose ending micro-step raised
+            _accumulate.close_overdue(m.accumulator)
         asking = self._asking
         if asking.batch is not None:  # inside a batch of iterate()
             entered = asking.read()

@@ -265,7 +265,7 @@ def marking(
 ) -> Iterator[T]:
     """``acc.iterate``'s generator (``acc``: the accumulate): close a left-over window, mark
     the pass's last item (``marked``: looked ahead or counted), close a window the items
-    left open (or one whose ending micro-step raised, as the loop goes on to the next item)."""
+    left open."""
     window = acc._window
     if window.micro:
         if acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
@@ -280,8 +280,6 @@ def marking(
             if last:  # (an FSDP left-over mark above stays for the first micro-step)
                 acc._final_pending = True
             yield item
-            if acc._window.overdue and not acc._inside:  # the loop goes on to the next item
-                acc.flush()
         # The items ended before the one counted last (a length not kept): their window
         # closes now, before the loop goes on.
         if acc._window.micro and not acc._inside:

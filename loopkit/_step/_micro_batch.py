@@ -261,8 +261,6 @@ def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> I
                     if state.batch_last:  # a whole batch handed out (a save in it counts it)
                         seen.batches += 1
                     yield chunk
-                    if acc._window.overdue and not acc._inside:  # its ending chunk raised
-                        acc.flush()
                     if state.redo:  # its micro-step ran out of memory: the window again
                         seen.samples, seen.tokens, seen.batches = at_start
                         todo = list(window)

@@ -117,7 +117,7 @@ class shuffle_buffer(IterableDataset[T], Generic[T]):
                 set_epoch(state["epoch"])
             if state["source"] is not None:  # mid-pass: the source continues where it was
                 source.load_state_dict(state["source"])
-            from_start, state["source"] = state["source"] is None, _Live(source)
+            state["source"] = _Live(source)
             checked = False
             for item in source:
                 if not checked:  # once a pass: a checkpoint holds the buffered samples
@@ -129,8 +129,6 @@ class shuffle_buffer(IterableDataset[T], Generic[T]):
                 j = int(rng.integers(len(buffer)))
                 out, buffer[j] = buffer[j], item
                 yield self._out(out, state)
-            if end is None and from_start and not checked:
-                break  # a whole epoch of the source was empty: for ever of it is empty too
             state["epoch"], state["source"] = state["epoch"] + 1, None
         while buffer:  # the stream ran out: the buffer empties in a random order
             j = int(rng.integers(len(buffer)))

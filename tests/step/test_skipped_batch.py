@@ -1,6 +1,9 @@
-"""A batch the loop skips by catching its micro-step's exception: its window still ends where
-it would have (every ``accumulate``-th batch and the pass's last), made of the micro-steps
-that succeeded, so the windows after it stay on the loader's positions."""
+"""A batch the loop skips by catching its micro-step's exception, at a window's last
+micro-step: where the loop then asks loop control (``until.check()``, ``cadence.due()``, a
+save), the window ends there, its place (the mean of its micro-steps that made a backward),
+so the windows after it stay on the loader's positions; a loop that goes on at once
+(``continue``) has that window take its next micro-step too, as a hand loop with
+``continue`` does, and loop control sees that window's end."""
 
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ def test_windows_stay_on_the_loaders_positions_when_a_batch_raises(
     model = _model()
     step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                         accumulate=every)  # fmt: skip
+    stop = loopkit.until(step, max_updates=100)
     for i, (x, y) in enumerate(step.iterate(data)):
         assert step.updates == _windows_before(i, len(data), every, bad), i
         try:
@@ -82,6 +86,7 @@ def test_windows_stay_on_the_loaders_positions_when_a_batch_raises(
                 s.backward(nn.functional.mse_loss(model(x), y))
         except _BadBatch:
             pass
+        assert not stop.check()  # where the docs ask: after the micro-step
     assert step.updates == _windows_before(len(data), len(data), every, bad)
     assert step.micro_step == 0
     for ours, ref in zip(model.parameters(), _reference(data, every, bad), strict=True):
@@ -90,12 +95,13 @@ def test_windows_stay_on_the_loaders_positions_when_a_batch_raises(
 
 @pytest.mark.parametrize(("every", "bad"), CASES)
 def test_a_plain_loop_counting_windows_keeps_them_on_multiples(every: int, bad: set[int]) -> None:
-    """Without ``iterate`` (windows counted): the window closes as the next micro-step opens
-    or at ``flush()``, and the updates are the hand loop's on windows of ``every`` batches."""
+    """Without ``iterate`` (windows counted), loop control asked after each micro-step: the
+    window closes there, and the updates are the hand loop's on windows of ``every``."""
     data = _data(7)
     model = _model()
     step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                         accumulate=every)  # fmt: skip
+    validate = loopkit.cadence(step, updates=1)
     for i, (x, y) in enumerate(data):
         try:
             with step as s:
@@ -103,8 +109,11 @@ def test_a_plain_loop_counting_windows_keeps_them_on_multiples(every: int, bad: 
                     raise _BadBatch(i)
                 s.backward(nn.functional.mse_loss(model(x), y))
         except _BadBatch:
-            if (i + 1) % every == 0 and every > 1:  # its window ended: the next opens one
-                assert not step.ends_window
+            if (i + 1) % every == 0:  # overdue: the next micro-step would end it, unasked
+                assert step.ends_window
+        validate.due()
+        if (i + 1) % every == 0:  # its window ended there, asked: the next opens one
+            assert step.micro_step == 0 and step.ends_window == (every == 1)
     step.flush()
     assert step.updates == _windows_before(len(data), len(data), every, bad)
     for ours, ref in zip(model.parameters(), _reference(data, every, bad), strict=True):
@@ -172,10 +181,97 @@ def test_a_save_after_the_raise_closes_the_window_first() -> None:
         assert all(torch.equal(a, b) for a, b in zip(saved, fresh.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_a_loop_that_continues_past_the_error_keeps_its_limits_exact(
+    every: int, after: bool
+) -> None:
+    """``except: continue`` (loop control not asked for the failed micro-step): the window
+    takes the next micro-step too and closes in it, so ``until(max_updates=2)`` stops at 2
+    exactly, once, and ``cadence(updates=2)`` fires at 2 (the window closed when the next
+    batch was handed out, unseen, and the limit was passed: 3)."""
+    data = _data(12)
+    model = _model()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=every)
+    stop = loopkit.until(step, max_updates=2)
+    every_two = loopkit.cadence(step, updates=2)
+    fired = []
+    for i, (x, y) in enumerate(step.iterate(data)):
+        try:
+            with step as s:
+                if i == every - 1 and not after:
+                    raise _BadBatch(i)
+                s.backward(nn.functional.mse_loss(model(x), y))
+                if i == every - 1:
+                    raise _BadBatch(i)
+        except _BadBatch:
+            continue
+        if every_two.due():
+            fired.append(step.updates)
+        if stop.check():
+            break
+    assert step.updates == 2 and fired == [2]
+
+
+def test_maybe_save_counts_the_update_it_closes() -> None:
+    """``maybe_save(every=2)`` asked right after a failed window (accumulate=1, its backward
+    made): the window's update, made there, is the one due, and it is saved (the count was
+    read before the window closed: update 2 was never saved)."""
+    data = _data(6)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = loopkit.Checkpointer(tmp, model=model, optimizer=opt, step=step, keep=10)
+        saved = []
+        for i, (x, y) in enumerate(step.iterate(data)):
+            try:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                    if i == 1:
+                        raise _BadBatch(i)
+            except _BadBatch:
+                pass
+            if ckpt.maybe_save(every=2) is not None:
+                saved.append(step.updates)
+        assert saved == [2, 4, 6]
+
+
+def test_a_group_members_failed_window_closes_where_loop_control_asks() -> None:
+    """In a loopkit.steps group (accumulate=1), D's micro-step raises after its backward, the
+    loop goes on to G and asks ``until.check()``: D's window closes there, and the limit and
+    cadence see the update (they saw D mid-window: the stop came at 3)."""
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(2, 3), nn.Linear(3, 1)
+    d_step = loopkit.step(critic, torch.optim.SGD(critic.parameters(), lr=0.1))
+    g_step = loopkit.step(gen, torch.optim.SGD(gen.parameters(), lr=0.1), frozen=[critic])
+    group = loopkit.steps(d_step, g_step)
+    stop = loopkit.until(group, max_updates=2)
+    every_two = loopkit.cadence(group, updates=2)
+    fired = []
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)) for _ in range(6)]
+    for i, (real, noise) in enumerate(group.iterate(batches)):
+        try:
+            with d_step as s:
+                s.backward(critic(real).mean() - critic(gen(noise).detach()).mean())
+                if i == 1:
+                    raise _BadBatch(i)
+        except _BadBatch:
+            pass
+        with g_step as s:
+            s.backward(-critic(gen(noise)).mean())
+        if every_two.due():
+            fired.append(group.updates)
+        if stop.check():
+            break
+    assert group.updates == 2 and fired == [2]
+
+
 @pytest.mark.parametrize("chunk", [2, 3])
 def test_micro_batch_windows_stay_aligned_when_a_last_chunk_raises(chunk: int) -> None:
-    """micro_batch=: a window's last batch whose last chunk raises ends its window there too;
-    the next batch opens a new one."""
+    """micro_batch=: a window's last batch whose last chunk raises ends its window there too
+    (loop control asked after each chunk); the next batch opens a new one."""
     data = [(torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64))
             for _ in range(6)]  # fmt: skip
     model = _model()
@@ -183,6 +279,7 @@ def test_micro_batch_windows_stay_aligned_when_a_last_chunk_raises(chunk: int) -
                         micro_batch=chunk)  # fmt: skip
     per_batch = -(-6 // chunk)
     tops = []
+    stop = loopkit.until(step, max_updates=100)
     for k, (x, y) in enumerate(step.iterate(data)):
         if k % per_batch == 0:
             tops.append(step.updates)
@@ -193,4 +290,5 @@ def test_micro_batch_windows_stay_aligned_when_a_last_chunk_raises(chunk: int) -
                     raise _BadBatch(k)
         except _BadBatch:
             pass
+        stop.check()
     assert tops == [0, 0, 1, 1, 2, 2] and step.updates == 3

@@ -8,8 +8,6 @@ augmentation), with 0 and 2 workers; the state grows by the samples the buffer h
 from __future__ import annotations
 
 import io
-import itertools
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,23 +180,3 @@ def test_a_workers_state_carries_the_buffer_as_one_bytes_object() -> None:
     workers = state["_snapshot"]["_worker_snapshots"].values()
     buffers = [w["dataset_state"]["buffer"] for w in workers]
     assert len(buffers) == 2 and all(isinstance(b, bytes) and b for b in buffers)
-
-
-def _within(seconds: float, make: Any) -> Any:
-    """``make()`` run in a thread: its result, or a failure if it has not returned by then
-    (a spinning generator: the daemon thread is left behind)."""
-    out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(make()), daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert out, f"still running after {seconds} s"
-    return out[0]
-
-
-def test_an_endless_buffer_over_an_empty_source_ends() -> None:
-    """``passes=None`` over a source with nothing in it (a loader worker's empty share): the
-    pass ends, empty, instead of reading the empty source again for ever."""
-    data = loopkit.shuffle_buffer(Counting(0), 4, seed=7, passes=None)
-    assert _within(20, lambda: list(data)) == []
-    endless = iter(loopkit.shuffle_buffer(Counting(3), 2, seed=7, passes=None))
-    assert len(list(itertools.islice(endless, 9))) == 9  # a source with samples: for ever
