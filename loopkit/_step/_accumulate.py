@@ -177,9 +177,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         """Whether the current (or, outside ``with``, the next) micro-step ends a window."""
         if self._inside:
             return self._ending
-        window = self._window
-        by_count = window.micro + 1 >= self.every and not self._by_marks
-        return by_count or self._final_pending or window.overdue
+        by_count = self._window.micro + 1 >= self.every and not self._by_marks
+        return by_count or self._final_pending
 
     @property
     def micro_step(self) -> int:
@@ -198,10 +197,11 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             raise RuntimeError(_NESTED if self._inside else self._closed_by_group)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
-        # An overdue window (its ending micro-step raised, no loop control asked since: a
-        # loop that went on with `continue`) takes this micro-step too, as a hand loop does.
         ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
-        ending = ending or window.overdue
+        # An overdue window (no loop control asked since: a loop that went on at once) goes
+        # on under its own rules, as a hand loop's does: it ends in this micro-step (counted)
+        # or at its next batch's mark (chunks).
+        window.overdue = False
         if window.micro == 0:
             # A window opens: foreign gradients (another model's backward through this one,
             # code outside the step) and the last update's (a lazy grad_norm's) go.

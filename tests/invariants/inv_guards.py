@@ -68,7 +68,9 @@ class Phase:
     new_step: bool  # build a new loopkit.step (same model, optimizer, ema, scheduler)
     step_back: bool  # use again the step of the phase before the last one (if not new_step)
     length: int  # passes (epochs, plain, plain_loader, groups) or updates (iteration)
-    evaluate: str | None  # None, "cadence" (after micro-steps) or "in_step" (before backward)
+    evaluate: (
+        str | None
+    )  # None, "cadence"/"per_epoch" (after micro-steps), "in_step" (before backward)
     swapped: bool  # evaluations under ema.swapped()
     raise_at: int | None  # the micro-step whose body raises (a bad batch), caught by the loop
     raise_after: bool  # ... after its backward (else before its forward)
@@ -152,7 +154,7 @@ def legalize(loop: Loop) -> Loop:
                 step_back=ph.step_back and not new and i >= 2,
                 micro_batch=micro,
                 swapped=ph.swapped and loop.ema,
-                evaluate=ph.evaluate if single or ph.evaluate != "in_step" else "cadence",
+                evaluate=_evaluation(ph, loop, shape, single),
                 raise_at=ph.raise_at if single else None,
                 leave_at=ph.leave_at if shape == "epochs" else None,
                 zero_grad_top=ph.zero_grad_top and single,
@@ -178,6 +180,17 @@ def legalize(loop: Loop) -> Loop:
     )
 
 
+def _evaluation(ph: Phase, loop: Loop, shape: str, single: bool) -> str | None:
+    """The phase's evaluation, fitted: ``in_step`` in a single step only; ``per_epoch`` (a
+    cadence at pass positions) in a single step's passes over the loader, not left early."""
+    if ph.evaluate == "in_step" and not single:
+        return "cadence"
+    if ph.evaluate == "per_epoch":
+        passes = shape == "until_epochs" or (shape == "epochs" and ph.leave_at is None)
+        return "per_epoch" if single and passes and loop.source == "loader" else "cadence"
+    return ph.evaluate
+
+
 @st.composite
 def phases(draw: st.DrawFn) -> Phase:
     """One phase, before ``legalize`` fits it to its world."""
@@ -192,7 +205,7 @@ def phases(draw: st.DrawFn) -> Phase:
         new_step=draw(st.booleans()),
         step_back=draw(st.booleans()),
         length=draw(st.integers(1, 2) if shape != "iteration" else st.integers(2, 5)),
-        evaluate=draw(st.sampled_from([None, "cadence", "in_step"])),
+        evaluate=draw(st.sampled_from([None, "cadence", "in_step", "per_epoch"])),
         swapped=draw(st.booleans()),
         raise_at=draw(st.one_of(st.none(), st.integers(0, 4))),
         raise_after=draw(st.booleans()),
@@ -649,7 +662,12 @@ class Run:
         if misuse is not None and misuse.phase == index and misuse.kind == "bn_micro_batch":
             self.injected = True  # the phase itself is the misuse: its first batch is refused
             self.before_misuse = snapshot(list(self.model.parameters()))
-        due = loopkit.cadence(step, updates=2) if ph.evaluate == "cadence" else None
+        due = (
+            loopkit.cadence(step, updates=2) if ph.evaluate == "cadence"
+            else loopkit.cadence(step, loader=self.loader,  # twice a pass where it fits
+                                 per_epoch=min(2, -(-len(self.loader) // ph.accumulate)))
+            if ph.evaluate == "per_epoch" else None
+        )  # fmt: skip
         source: Any = self.loader if self.loop.source == "loader" else self.batches
 
         def each(batch: Any) -> None:

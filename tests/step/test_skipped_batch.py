@@ -269,6 +269,34 @@ def test_a_group_members_failed_window_closes_where_loop_control_asks() -> None:
 
 
 @pytest.mark.parametrize("chunk", [2, 3])
+def test_a_continue_loop_keeps_whole_batches_in_each_window_with_micro_batch(chunk: int) -> None:
+    """micro_batch=, a window's last chunk raises and the loop goes on at once (`continue`):
+    the window goes on to the next window's mark (the last chunk of batch 3: no batch split
+    between two updates), and until(max_updates=1) stops there (it stopped after batch 2's
+    first chunk, half-way through a batch)."""
+    data = [(torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64))
+            for _ in range(6)]  # fmt: skip
+    model = _model()
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+                        micro_batch=chunk)  # fmt: skip
+    stop = loopkit.until(step, max_updates=1)
+    per_batch = -(-6 // chunk)
+    ended_at = None
+    for k, (x, y) in enumerate(step.iterate(data)):
+        try:
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+                if k == 2 * per_batch - 1:
+                    raise _BadBatch(k)
+        except _BadBatch:
+            continue
+        if stop.check():
+            ended_at = k
+            break
+    assert ended_at == 4 * per_batch - 1 and step.updates == 1  # batch 3's last chunk
+
+
+@pytest.mark.parametrize("chunk", [2, 3])
 def test_micro_batch_windows_stay_aligned_when_a_last_chunk_raises(chunk: int) -> None:
     """micro_batch=: a window's last batch whose last chunk raises ends its window there too
     (loop control asked after each chunk); the next batch opens a new one."""
