@@ -158,7 +158,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
 
     @property
     def updated(self) -> bool:
-        """Whether the last micro-step or ``flush()`` made an update (``step.updated``)."""
+        """Whether the last micro-step, ``flush()`` or loop control made an update."""
         return self._window.micro == 0 and self._progress.last_updated
 
     @property

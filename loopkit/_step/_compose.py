@@ -278,8 +278,9 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
 
     @property
     def updated(self) -> bool:
-        """Whether the last micro-step or ``flush()`` made an update (Accelerate's
-        ``sync_gradients``: False inside ``with``, mid-window, on an inf/nan skip; no sync)."""
+        """Whether the last micro-step, ``flush()`` or loop control (closing a window whose
+        last micro-step raised) made an update (Accelerate's ``sync_gradients``: False inside
+        ``with``, mid-window, on an inf/nan skip; no sync)."""
         return self.accumulator.updated
 
     @property
