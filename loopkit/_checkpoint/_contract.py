@@ -14,15 +14,14 @@ Checkpointer. The pieces for loopkit's own objects are in ``_pieces``, ``_step_s
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .. import _ranks
 from .._data import _consumed
 from .._errors import CheckpointError
-from .._stream._resumed_pass import loaded_state, refuse_unsaved_order
+from .._stream._resumed_pass import own_state, refuse_unsaved_order
 from .._types import Stateful
 
 T = TypeVar("T")
@@ -142,10 +141,11 @@ class ExtraStates:
 
     def state_dict(self) -> dict[str, object]:
         self._refuse_loaders()  # a process group set up after the Checkpointer was built
-        return {
-            name: _consumed.state_of(self._objects[name], _own(self._objects[name], piece))
-            for name, piece in self.pieces.items()
-        }
+        states: dict[str, object] = {}
+        for name, piece in self.pieces.items():
+            obj = self._objects[name]
+            states[name] = _consumed.state_of(obj, own_state(obj, piece.state_dict))
+        return states
 
     def check_state_dict(self, saved: object) -> None:
         states = expect(saved, Mapping, "'extra'")
@@ -172,17 +172,6 @@ class ExtraStates:
         # All of them: putting back one that was not loaded yet loads its own state again.
         for name, piece in reversed(self.pieces.items()):
             piece.restore(snapshot[name])
-
-
-def _own(obj: object, piece: StatePiece) -> Callable[[], object]:
-    """What gives ``obj``'s own state: its piece's, or the state loaded into a torchdata
-    loader not iterated since (``loaded_state``)."""
-    pending = loaded_state(obj)
-    return piece.state_dict if pending is None else functools.partial(_itself, pending)
-
-
-def _itself(value: object) -> object:
-    return value
 
 
 def _is_data(obj: object) -> bool:

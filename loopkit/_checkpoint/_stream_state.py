@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset
 from .._data import _consumed
 from .._errors import CheckpointError
 from .._stream import _shards, _shuffle_buffer
-from .._stream._resumed_pass import loaded_state, quiet_first_iterator, refuse_unsaved_order
+from .._stream._resumed_pass import own_state, quiet_first_iterator, refuse_unsaved_order
 from .._stream._resumed_pass import undo as undo_quiet
 from ._contract import expect, need
 
@@ -38,7 +38,8 @@ class StreamState:
         _consumed.watch(loader)  # iterate records its state before each batch it takes ahead
 
     def state_dict(self) -> dict[str, object]:
-        state: dict[str, object] = {"loader": _consumed.state_of(self.loader, self._own)}
+        own = own_state(self.loader, self.loader.state_dict)
+        state: dict[str, object] = {"loader": _consumed.state_of(self.loader, own)}
         generator = getattr(self.loader, "generator", None)
         if isinstance(generator, torch.Generator):  # the loader's own shuffling stream
             state["generator"] = generator.get_state()
@@ -59,11 +60,6 @@ class StreamState:
                 f"holds its own part of the stream), and this loader has {workers}: build "
                 f"it with num_workers={saved_workers} to resume it"
             )
-
-    def _own(self) -> object:
-        """The loader's own state (torchdata's, loaded and not iterated since: that state)."""
-        pending = loaded_state(self.loader)
-        return self.loader.state_dict() if pending is None else pending
 
     def snapshot(self) -> tuple[str, object, object]:
         generator = getattr(self.loader, "generator", None)

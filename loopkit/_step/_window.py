@@ -38,9 +38,10 @@ class Window:
         self.cleared_foreign = False  # gradients from elsewhere were cleared when it opened
         self.failed = 0  # micro-steps that ended in an exception (a skipped bad batch)
         self.overdue = False
-        """Its last micro-step was to end it and raised: it closes when the loop goes on (the
-        next micro-step, loop control, the next batch asked for, ``flush``), so the windows
-        after a skipped bad batch stay where they were, not one batch later."""
+        """Its last micro-step was to end it and raised: loop control asked before the next
+        micro-step (``settle``), or ``flush``, closes it at its place, so the windows after a
+        skipped bad batch stay where they were; the next micro-step opening first clears it
+        (the window goes on under its own rules, as a hand loop's with ``continue``)."""
 
     def add_backward(
         self, weight: Any, weighted: bool, finite: torch.Tensor | None, synced: bool

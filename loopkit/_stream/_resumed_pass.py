@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 _HOOK = "_get_iterator"
 
@@ -82,13 +83,15 @@ def _finish_ended_pass(it: object) -> None:
             pass
 
 
-def loaded_state(loader: object) -> object | None:
-    """The state loaded into torchdata's loader that no iterator has taken yet (None: none).
-    Its ``state_dict()`` then would start an iterator whose iterable data set, given the
-    state only as its pass starts, reports the stream's start: a save right after a resume
-    holds this state instead."""
+def own_state(loader: object, state_dict: Callable[[], object]) -> Callable[[], object]:
+    """What gives ``loader``'s own state for a save: ``state_dict``, or, for torchdata's
+    loader loaded and not iterated since, the state loaded into it (its ``state_dict()``
+    would start an iterator whose iterable data set, given the state only as its pass
+    starts, reports the stream's start: a save right after a resume would hold the start)."""
     pending = getattr(loader, "next_iter_state", None)
-    return pending if pending is not None and getattr(loader, "_iterator", None) is None else None
+    if pending is None or getattr(loader, "_iterator", None) is not None:
+        return state_dict
+    return lambda: pending
 
 
 def refuse_unsaved_order(loader: object, where: str) -> None:
@@ -97,8 +100,6 @@ def refuse_unsaved_order(loader: object, where: str) -> None:
     the rest of the pass repeats some samples and skips others."""
     if not hasattr(loader, "next_iter_state"):
         return
-    from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
-
     batches = getattr(loader, "batch_sampler", None)
     for sampler in (getattr(loader, "sampler", None), getattr(batches, "sampler", None)):
         if isinstance(

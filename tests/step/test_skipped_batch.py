@@ -54,6 +54,20 @@ def _reference(
     return [p.detach() for p in model.parameters()]
 
 
+def _micro_step(step: loopkit.step, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                bad: bool) -> bool:  # fmt: skip
+    """One micro-step, its batch rejected before the forward if ``bad`` (the loop catches
+    it); whether it trained."""
+    try:
+        with step as s:
+            if bad:
+                raise _BadBatch
+            s.backward(nn.functional.mse_loss(model(x), y))
+    except _BadBatch:
+        return False
+    return True
+
+
 def _windows_before(i: int, n: int, every: int, bad: set[int]) -> int:
     """Updates made by windows that end before position ``i`` (those with a good batch)."""
     ends = [e for e in range(n) if (e + 1) % every == 0 or e == n - 1]
@@ -79,13 +93,7 @@ def test_windows_stay_on_the_loaders_positions_when_a_batch_raises(
     stop = loopkit.until(step, max_updates=100)
     for i, (x, y) in enumerate(step.iterate(data)):
         assert step.updates == _windows_before(i, len(data), every, bad), i
-        try:
-            with step as s:
-                if i in bad:
-                    raise _BadBatch(i)
-                s.backward(nn.functional.mse_loss(model(x), y))
-        except _BadBatch:
-            pass
+        _micro_step(step, model, x, y, bad=i in bad)
         assert not stop.check()  # where the docs ask: after the micro-step
     assert step.updates == _windows_before(len(data), len(data), every, bad)
     assert step.micro_step == 0
@@ -103,14 +111,9 @@ def test_a_plain_loop_counting_windows_keeps_them_on_multiples(every: int, bad: 
                         accumulate=every)  # fmt: skip
     validate = loopkit.cadence(step, updates=1)
     for i, (x, y) in enumerate(data):
-        try:
-            with step as s:
-                if i in bad:
-                    raise _BadBatch(i)
-                s.backward(nn.functional.mse_loss(model(x), y))
-        except _BadBatch:
-            if (i + 1) % every == 0:  # overdue: the next micro-step would end it, unasked
-                assert step.ends_window
+        trained = _micro_step(step, model, x, y, bad=i in bad)
+        if not trained and (i + 1) % every == 0:  # overdue: the next micro-step would end it
+            assert step.ends_window
         validate.due()
         if (i + 1) % every == 0:  # its window ended there, asked: the next opens one
             assert step.micro_step == 0 and step.ends_window == (every == 1)
