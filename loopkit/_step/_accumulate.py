@@ -32,7 +32,7 @@ from ._params import OptimizerParams
 from ._reach import Reach
 from ._update import Progress, UpdateRule
 from ._weighting import Weighting
-from ._window import Window
+from ._window import Window, unreducible
 
 T = TypeVar("T")
 _Move = Callable[[Any], Any] | None  # what moves a step's batch as iterate takes it
@@ -349,11 +349,8 @@ def close_overdue(acc: accumulate) -> None:
     """Close a window whose ending micro-step raised (``Window.overdue``) where loop control
     asks, outside ``with``: its update is made at its place. Not one FSDP would have to
     reduce by hand (its last backward unsynced): the next micro-step syncs and closes it."""
-    window = acc._window
-    if window.overdue and not acc._inside:
-        fsdp = acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced
-        if not fsdp:
-            _close_window(acc)
+    if acc._window.overdue and not acc._inside and not unreducible(acc):
+        _close_window(acc)
 
 
 def _close_window(acc: accumulate) -> bool:

@@ -45,6 +45,7 @@ from torch.utils.data import (
 from .._data import _consumed
 from .._data._epoch_loader import EpochLoader, training_iter
 from .._stream._replay import replayed
+from ._window import close_left_open, unreducible
 
 T = TypeVar("T")
 
@@ -266,9 +267,8 @@ def marking(
     """``acc.iterate``'s generator (``acc``: the accumulate): close a left-over window, mark
     the pass's last item (``marked``: looked ahead or counted), close a window the items
     left open."""
-    window = acc._window
-    if window.micro:
-        if acc._kind in ("fsdp1", "fsdp2") and window.n_backward and not window.last_synced:
+    if acc._window.micro:
+        if unreducible(acc):
             # FSDP cannot reduce the left-over gradients by hand: the first micro-step of
             # this pass syncs and closes that window (the one case a window spans two).
             acc._final_pending = True
@@ -280,10 +280,9 @@ def marking(
             if last:  # (an FSDP left-over mark above stays for the first micro-step)
                 acc._final_pending = True
             yield item
-        # The items ended before the one counted last (a length not kept): their window
-        # closes now, before the loop goes on.
-        if acc._window.micro and not acc._inside:
-            acc.flush()
+        # The items ended before the one counted last (a length not kept), or the last
+        # micro-step raised: their window closes now, before the loop goes on.
+        close_left_open(acc)
     finally:
         acc.iterating -= 1
         acc._final_pending = False

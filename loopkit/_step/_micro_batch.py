@@ -25,6 +25,7 @@ from .._logging._recording import check_alike, check_value
 from .._logging._reductions import fsum, partial_floats, wide_dtype
 from .._parallel._grad_sync import no_sync, sync_kind
 from . import _batch_layout, _last_batch
+from ._window import close_left_open
 
 T = TypeVar("T")
 
@@ -233,8 +234,9 @@ def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> I
     handed out again in chunks half the size, so the update is still the whole batches'.
     """
     acc = step.accumulator
-    if acc._window.micro:
-        acc.flush()  # a window left open by an earlier pass is closed on its own
+    # A window left open by an earlier pass is closed on its own; one FSDP cannot reduce by
+    # hand goes on to this pass's first mark (its synced micro-step closes it).
+    close_left_open(acc)
     seen, state = step.seen, step.chunks
     window: list[T] = []
     delivered = 0  # batches of the window whose log record is delivered (kept over a redo)
@@ -269,8 +271,7 @@ def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> I
                     delivered = max(delivered, index + 1)
             if ends:
                 window, at_start, delivered = [], (seen.samples, seen.tokens, seen.batches), 0
-        if acc._window.micro and not acc._inside:  # ended before the batch counted last
-            acc.flush()
+        close_left_open(acc)  # ended before the batch counted last, or its last chunk raised
     finally:
         acc.iterating -= 1
         acc._by_marks = state.replaying = False

@@ -76,3 +76,18 @@ class Window:
         """A 0-d bool tensor: whether a device weight was not positive and finite; False if none."""
         low = self.weight_min
         return False if low is None else ~(torch.isfinite(low) & (low > 0))
+
+
+def unreducible(acc: Any) -> bool:
+    """Whether ``acc``'s open window waits for an FSDP backward with sync (its last backward
+    ran without one: FSDP cannot reduce its gradients by hand)."""
+    window = acc._window
+    return acc._kind in ("fsdp1", "fsdp2") and bool(window.n_backward) and not window.last_synced
+
+
+def close_left_open(acc: Any) -> None:
+    """Close the window a pass of ``iterate`` left open as its items end (a length not kept,
+    or the pass's last micro-step raised). Not one FSDP cannot reduce: the next pass's first
+    micro-step syncs and closes it (``_last_batch.marking``), the one window spanning two."""
+    if acc._window.micro and not acc._inside and not unreducible(acc):
+        acc.flush()

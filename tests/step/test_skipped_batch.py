@@ -323,3 +323,51 @@ def test_micro_batch_windows_stay_aligned_when_a_last_chunk_raises(chunk: int) -
             pass
         stop.check()
     assert tops == [0, 0, 1, 1, 2, 2] and step.updates == 3
+
+
+def _reference_windows(
+    data: list[tuple[torch.Tensor, torch.Tensor]], windows: list[list[int]]
+) -> list[torch.Tensor]:
+    """By hand: one update per window of batch indices, the mean of their gradients."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for window in windows:
+        opt.zero_grad()
+        for i in window:
+            x, y = data[i]
+            (nn.functional.mse_loss(model(x), y) / len(window)).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("micro_batch", [None, 2])
+def test_fsdp2_a_pass_whose_last_batch_raises_trains_on(
+    process_group: None, micro_batch: int | None
+) -> None:
+    """Under FSDP2 a pass whose last micro-step raises before its backward leaves a window
+    whose gradients wait for a synced backward (FSDP cannot reduce them by hand): the pass
+    ends without refusing it, and the next pass's first micro-step (its first batch's mark,
+    with micro_batch=) syncs and closes it, as for any window FSDP carries into a pass."""
+    from torch.distributed.fsdp import fully_shard
+
+    data = _data(8)
+    model = _model()
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = loopkit.step(model, opt, accumulate=2, micro_batch=micro_batch)
+    # The pass's last batch is rejected (with micro_batch=2: both its chunks, 14 and 15).
+    last = 7 if micro_batch is None else 14
+    for epoch in range(2):
+        for i, (x, y) in enumerate(step.iterate(data)):
+            _micro_step(step, model, x, y, bad=epoch == 0 and i >= last)
+    assert step.flush() is False  # every window closed in the loop
+    # The window left open takes pass two's first micro-step (whole batches: its first mark,
+    # a window of two batches), then the windows fall on pass two's positions again.
+    carried = [6, 0] if micro_batch is None else [6, 0, 1]
+    rest = [[1, 2], [3, 4], [5, 6], [7]] if micro_batch is None else [[2, 3], [4, 5], [6, 7]]
+    windows = [[0, 1], [2, 3], [4, 5], carried, *rest]
+    assert step.updates == len(windows)
+    expected = _reference_windows(data, windows)
+    got = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
