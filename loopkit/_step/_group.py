@@ -64,6 +64,7 @@ class steps:
                 "the members of a group share one clock, build them with the same micro_batch="
             )
         _refuse_shared_parameters(members)
+        _refuse_shared_logs(members)
         ddps = [m.model for m in members if sync_kind(m.model) == "ddp"]
         for m in members:
             m.chunks.by_member = by_member
@@ -349,3 +350,19 @@ def _refuse_shared_parameters(members: tuple[_compose.step, ...]) -> None:
                         "say which step owns it by giving it only to that step's optimizer, "
                         "and freeze its module in the other step (frozen=[module])"
                     )
+
+
+def _refuse_shared_logs(members: tuple[_compose.step, ...]) -> None:
+    """One log in two members would average their losses (each records its own as "loss")."""
+    owner: dict[int, int] = {}
+    for k, m in enumerate(members):
+        if m.log is None:
+            continue
+        first = owner.setdefault(id(m.log), k)
+        if first != k:
+            raise ValueError(
+                f"steps {first} and {k} share one log (log=): each records its loss as 'loss', "
+                "so every flush would average the two losses into one number; give each step "
+                "its own detach_logging, with a sink that names its loss, e.g. "
+                "log=loopkit.detach_logging(every=N, sink=lambda m: print({'d_loss': m['loss']}))"
+            )

@@ -609,3 +609,19 @@ def test_members_logs_get_the_samples_and_epoch_axes(micro_batch: int | None) ->
                           loopkit.step(G, _opt(G), accumulate=2, frozen=frozen))  # fmt: skip
     fresh.load_state_dict(group.state_dict())
     assert fresh.members[0].seen.samples == fresh.members[1].seen.samples == 80
+
+
+def test_a_log_shared_by_two_members_is_refused() -> None:
+    """Each member records its loss as "loss": one log given to both would average the
+    critic's and the generator's losses into one number, so the group refuses it, naming the
+    fix; the same critic step then joins a group whose members have a log each."""
+    gen, critic = nn.Linear(8, 2), nn.Linear(2, 1)
+    shared = loopkit.detach_logging(every=2, sink=None)
+    d_step = loopkit.step(critic, torch.optim.SGD(critic.parameters(), lr=0.1), log=shared)
+    g_step = loopkit.step(
+        gen, torch.optim.SGD(gen.parameters(), lr=0.1), log=shared, frozen=[critic]
+    )
+    with pytest.raises(ValueError, match=r"steps 0 and 1 share one log .* its own detach_logging"):
+        loopkit.steps(d_step, g_step)
+    own = loopkit.step(gen, torch.optim.SGD(gen.parameters(), lr=0.1), log=2, frozen=[critic])
+    loopkit.steps(d_step, own)  # one log each: taken
