@@ -202,7 +202,8 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
                 self._loss_kind = kind if kind is self._loss_kind else None
 
     def log_metrics(self, **metrics: torch.Tensor | float) -> None:
-        """Add metrics to this micro-step's log record (needs ``log=``)."""
+        """Add metrics to this micro-step's log record (needs ``log=``); ``loss=`` takes the
+        place of the loss the step records from its backward (a data loss beside a total)."""
         if self.log is None:
             raise RuntimeError("this step has no log: build it with log=N or log=detach_logging()")
         self._extra = _recording.added(self._extra, metrics)  # (refused here, not at exit)
@@ -333,7 +334,7 @@ def _record(
     if extra is None:
         extra = {} if loss is None else {"loss": loss}
     elif loss is not None:
-        extra["loss"] = loss
+        extra.setdefault("loss", loss)  # the user's own log_metrics(loss=) is what they log
     if step.chunks.share is None and doc is None:
         if extra:  # the usual micro-step, every one: nothing else to do
             log.record(extra)

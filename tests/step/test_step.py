@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -224,6 +225,38 @@ def test_log_metrics_needs_a_log() -> None:
     step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="log="), step as s:
         s.log_metrics(acc=1.0)
+
+
+@pytest.mark.parametrize("micro_batch", [None, 2])
+def test_log_metrics_loss_is_what_the_log_holds_beside_a_total_backward(
+    micro_batch: int | None,
+) -> None:
+    """``s.log_metrics(loss=data_loss)`` next to ``s.backward(data_loss + penalty)``: the
+    log holds the user's loss, not the total (the step's own record gave way to it), with
+    micro_batch= too (each batch's chunks' data losses, combined); without log_metrics the
+    total is logged."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for own in (True, False):
+        log = loopkit.detach_logging(every=None, sink=None)
+        step = loopkit.step(
+            model, torch.optim.SGD(model.parameters(), lr=0.0), micro_batch=micro_batch, log=log
+        )
+        data_losses, totals = [], []
+        for xb, yb in step.iterate([(x, y)]):
+            with step as s:
+                data = nn.functional.mse_loss(model(xb), yb)
+                total = data + 10.0 * model.weight.pow(2).sum()
+                s.backward(total)
+                if own:
+                    s.log_metrics(loss=data)
+            data_losses.append(data.item())
+            totals.append(total.item())
+        got = log.flush()["loss"]
+        expected = data_losses if own else totals
+        assert got == pytest.approx(math.fsum(expected) / len(expected), rel=1e-6)
+        assert not own or not math.isclose(got, math.fsum(totals) / len(totals))
 
 
 def test_a_failed_micro_step_logs_nothing_under_the_next_one() -> None:
