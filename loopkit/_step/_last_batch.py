@@ -146,8 +146,29 @@ def marked(
     it = training_iter(items)  # a distributed.loader's pass is training's from its start
     track = _consumed.tracker(source)  # None (no cost per batch) unless a Checkpointer saves it
     if track is None:
-        return _marked(holder, source, it, n, move, None)
-    return _tracked(track, _marked(holder, source, it, n, move, track))
+        marks = _marked(holder, source, it, n, move, None)
+    else:
+        marks = _tracked(track, _marked(holder, source, it, n, move, track))
+    if isinstance(source, EpochLoader):  # (its pass started: by training_iter, or iterate's)
+        return _given_back(holder, source, source._training_pass(), marks)
+    return marks
+
+
+def _given_back(
+    holder: Holder, loader: EpochLoader, this: Any, marks: Iterator[tuple[T, bool]]
+) -> Iterator[tuple[T, bool]]:
+    """``marks`` over training pass ``this`` of ``loader``: a loop left while a batch is
+    taken ahead of it gives that batch back to the loader's count (``_consumed`` keeps the
+    state before it for a stateful loader)."""
+    held = done = False
+    try:
+        for pair in marks:
+            held = bool(holder.lookahead)  # (read here: iterate's own cleanup resets it first)
+            yield pair
+        done = True
+    finally:
+        if held and not done:
+            loader._give_back(this)
 
 
 def _tracked(track: _consumed.Tracker, marks: Iterator[tuple[T, bool]]) -> Iterator[tuple[T, bool]]:
