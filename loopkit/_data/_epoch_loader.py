@@ -145,18 +145,6 @@ class EpochLoader:
         finally:
             this.ended = True
 
-    def _training_pass(self) -> Pass | None:
-        """The counted pass training runs on now (None before the first)."""
-        return self._open
-
-    def _give_back(self, this: Pass | None) -> None:
-        """A loop left training pass ``this`` while iterate held a batch taken ahead of it
-        (``break``, an exception): that batch was never the loop's, so it leaves the count,
-        and a save after the loop holds the place after the batches the loop had."""
-        p = self._progress
-        if this is not None and this is self._open and p.position > this.start:
-            p.position -= 1
-
     def _run_before_next_pass(self) -> None:
         while self._before_next_pass:
             # Each hook leaves the list before it runs: one that raises is not run again,
@@ -313,6 +301,20 @@ def _stop_workers(loader: DataLoader[Any]) -> None:
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+
+
+def training_pass(loader: EpochLoader) -> Pass | None:
+    """The counted pass training runs on now (None before the first)."""
+    return loader._open
+
+
+def give_back(loader: EpochLoader, this: Pass | None) -> None:
+    """A loop left training pass ``this`` while iterate held a batch taken ahead of it
+    (``break``, an exception): that batch was never the loop's, so it leaves the count, and
+    a save after the loop holds the place after the batches the loop had."""
+    p = loader._progress
+    if this is not None and this is loader._open and p.position > this.start:
+        p.position -= 1
 
 
 def training_iter(items: Iterable[T]) -> Iterator[T]:

@@ -43,7 +43,7 @@ from torch.utils.data import (
 )
 
 from .._data import _consumed
-from .._data._epoch_loader import EpochLoader, training_iter
+from .._data._epoch_loader import EpochLoader, give_back, training_iter, training_pass
 from .._stream._replay import replayed
 from ._window import close_left_open, unreducible
 
@@ -150,7 +150,7 @@ def marked(
     else:
         marks = _tracked(track, _marked(holder, source, it, n, move, track))
     if isinstance(source, EpochLoader):  # (its pass started: by training_iter, or iterate's)
-        return _given_back(holder, source, source._training_pass(), marks)
+        return _given_back(holder, source, training_pass(source), marks)
     return marks
 
 
@@ -168,7 +168,7 @@ def _given_back(
         done = True
     finally:
         if held and not done:
-            loader._give_back(this)
+            give_back(loader, this)
 
 
 def _tracked(track: _consumed.Tracker, marks: Iterator[tuple[T, bool]]) -> Iterator[tuple[T, bool]]:

@@ -25,7 +25,7 @@ from .._logging._recording import check_alike, check_value
 from .._logging._reductions import fsum, partial_floats, wide_dtype
 from .._parallel._grad_sync import no_sync, sync_kind
 from . import _batch_layout, _last_batch
-from ._window import close_left_open
+from ._window import close_left_open, unreducible
 
 T = TypeVar("T")
 
@@ -236,7 +236,8 @@ def iterate(step: Any, source: object, batches: Iterable[T], done: int = 0) -> I
     acc = step.accumulator
     # A window left open by an earlier pass is closed on its own; one FSDP cannot reduce by
     # hand goes on to this pass's first mark (its synced micro-step closes it).
-    close_left_open(acc)
+    if acc._window.micro and not unreducible(acc):
+        acc.flush()
     seen, state = step.seen, step.chunks
     window: list[T] = []
     delivered = 0  # batches of the window whose log record is delivered (kept over a redo)

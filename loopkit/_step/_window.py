@@ -6,9 +6,12 @@ assignment, so no field can be forgotten.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+
+from .._errors import OpenWindowWarning
 
 
 class Window:
@@ -88,6 +91,19 @@ def unreducible(acc: Any) -> bool:
 def close_left_open(acc: Any) -> None:
     """Close the window a pass of ``iterate`` left open as its items end (a length not kept,
     or the pass's last micro-step raised). Not one FSDP cannot reduce: the next pass's first
-    micro-step syncs and closes it (``_last_batch.marking``), the one window spanning two."""
-    if acc._window.micro and not acc._inside and not unreducible(acc):
+    micro-step syncs and closes it (``_last_batch.marking``), the one window spanning two,
+    which is said (after the last pass it would not be applied)."""
+    if not acc._window.micro or acc._inside:
+        return
+    if not unreducible(acc):
         acc.flush()
+        return
+    warnings.warn(
+        f"the pass ended with its window's last micro-step run without gradient sync (it "
+        f"raised before its backward, or the data ended before its length) under "
+        f"{acc._kind.upper()}, which cannot reduce that window's gradients by hand: the window "
+        "goes on to the next pass's first micro-step, which syncs and closes it; after the "
+        "last pass it is not applied (step.flush() refuses it)",
+        OpenWindowWarning,
+        stacklevel=2,
+    )

@@ -8,6 +8,7 @@ so the windows after it stay on the loader's positions; a loop that goes on at o
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -358,8 +359,12 @@ def test_fsdp2_a_pass_whose_last_batch_raises_trains_on(
     # The pass's last batch is rejected (with micro_batch=2: both its chunks, 14 and 15).
     last = 7 if micro_batch is None else 14
     for epoch in range(2):
-        for i, (x, y) in enumerate(step.iterate(data)):
-            _micro_step(step, model, x, y, bad=epoch == 0 and i >= last)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for i, (x, y) in enumerate(step.iterate(data)):
+                _micro_step(step, model, x, y, bad=epoch == 0 and i >= last)
+        carried = [w for w in said if issubclass(w.category, loopkit.OpenWindowWarning)]
+        assert len(carried) == (epoch == 0), [str(w.message) for w in said]
     assert step.flush() is False  # every window closed in the loop
     # The window left open takes pass two's first micro-step (whole batches: its first mark,
     # a window of two batches), then the windows fall on pass two's positions again.
@@ -369,5 +374,28 @@ def test_fsdp2_a_pass_whose_last_batch_raises_trains_on(
     assert step.updates == len(windows)
     expected = _reference_windows(data, windows)
     got = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+
+
+def test_fsdp2_the_last_passs_failed_window_is_said_not_to_be_applied(process_group: None) -> None:
+    """After the last pass nothing syncs a window FSDP cannot reduce by hand: the pass's end
+    says so (OpenWindowWarning) and ``step.flush()`` refuses it, changing nothing; the weights
+    are those of the windows before it."""
+    from torch.distributed.fsdp import fully_shard
+
+    data = _data(8)
+    model = _model()
+    fully_shard(model)
+    step = loopkit.step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        accumulate=2)  # fmt: skip
+    with pytest.warns(loopkit.OpenWindowWarning, match="after the last pass it is not applied"):
+        for i, (x, y) in enumerate(step.iterate(data)):
+            _micro_step(step, model, x, y, bad=i == 7)
+    with pytest.raises(RuntimeError, match="without gradient sync"):
+        step.flush()
+    assert step.updates == 3 and step.micro_step == 2
+    expected = _reference_windows(data, [[0, 1], [2, 3], [4, 5]])
+    got = [p.full_tensor() for p in model.parameters()]
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
