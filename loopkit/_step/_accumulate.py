@@ -32,7 +32,7 @@ from ._params import OptimizerParams
 from ._reach import Reach
 from ._update import Progress, UpdateRule
 from ._weighting import Weighting
-from ._window import Window, unreducible
+from ._window import Window, discard_overdue, going_on, unreducible
 
 T = TypeVar("T")
 _Move = Callable[[Any], Any] | None  # what moves a step's batch as iterate takes it
@@ -197,11 +197,9 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
             raise RuntimeError(_NESTED if self._inside else self._closed_by_group)
         _open_steps.open_(self)  # refuses another step of this model's parameters first
         window = self._window
+        if window.overdue:  # no loop control asked since its last micro-step raised
+            window = going_on(self, window)
         ending = (window.micro + 1 >= self.every and not self._by_marks) or self._final_pending
-        # An overdue window (no loop control asked since: a loop that went on at once) goes
-        # on under its own rules, as a hand loop's does: it ends in this micro-step (counted)
-        # or at its next batch's mark (chunks).
-        window.overdue = False
         if window.micro == 0:
             # A window opens: foreign gradients (another model's backward through this one,
             # code outside the step) and the last update's (a lazy grad_norm's) go.
@@ -282,7 +280,7 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
         if self._inside:
             raise RuntimeError("flush() inside `with acc:`: call it after the micro-step ends")
         self._final_pending = False
-        return _close_window(self) if self._window.micro else False
+        return _close_window(self) if self._window.micro and not discard_overdue(self) else False
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the items of ``iterable``, marking the last so its window closes on exit.
@@ -349,7 +347,10 @@ def close_overdue(acc: accumulate) -> None:
     """Close a window whose ending micro-step raised (``Window.overdue``) where loop control
     asks, outside ``with``: its update is made at its place. Not one FSDP would have to
     reduce by hand (its last backward unsynced): the next micro-step syncs and closes it."""
-    if acc._window.overdue and not acc._inside and not unreducible(acc):
+    window = acc._window
+    if not window.overdue or acc._inside or unreducible(acc):
+        return
+    if not discard_overdue(acc):  # (a window the loop dropped is gone, not closed)
         _close_window(acc)
 
 

@@ -107,3 +107,31 @@ def close_left_open(acc: Any) -> None:
         OpenWindowWarning,
         stacklevel=2,
     )
+
+
+def going_on(acc: Any, window: Window) -> Window:
+    """The window the micro-step entering after overdue ``window`` takes: ``window`` going on
+    under its own rules, as a hand loop's does (it ends in this micro-step, counted, or at its
+    next batch's mark, chunks), or a new one if the loop dropped its gradients."""
+    window.overdue = False
+    return acc._window if _discard_dropped(acc, window) else window
+
+
+def discard_overdue(acc: Any) -> bool:
+    """Drop ``acc``'s window if it is overdue and the loop dropped its gradients; whether it did."""
+    window = acc._window
+    return bool(window.overdue) and _discard_dropped(acc, window)
+
+
+def _discard_dropped(acc: Any, window: Window) -> bool:
+    """Drop ``window`` (its last micro-step raised) if the loop dropped all its gradients
+    since (``optimizer.zero_grad()`` in its handler, or at the top of the next iteration: how
+    a hand loop skips a bad batch), as if it never happened: no update, no refusal; whether
+    it did. Gradients dropped in part are still refused where the window ends."""
+    if not window.n_backward or unreducible(acc) or acc._params.have_grads():
+        return False
+    if acc.amp is not None:
+        acc.amp.discard(acc.optimizer)
+    acc._window = Window()
+    acc._guard.window_closed()
+    return True

@@ -399,3 +399,68 @@ def test_fsdp2_the_last_passs_failed_window_is_said_not_to_be_applied(process_gr
     got = [p.full_tensor() for p in model.parameters()]
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("where", "then"), [("handler", "check"), ("handler", "continue"), ("top", "continue")]
+)
+def test_a_window_whose_gradients_the_loop_drops_is_skipped_as_by_hand(
+    every: int, where: str, then: str
+) -> None:
+    """A check after the backward fails on a window's last micro-step and the loop drops the
+    gradients before loop control is asked, as a hand loop skips a bad batch:
+    ``optimizer.zero_grad()`` in its handler, or (a loop that goes on at once) the legacy line
+    at the top of the iteration that opens a window. That window is gone (no update, no
+    refusal) and the others are the hand loop's, at their positions. (Loop control asked
+    first closes the window with its backward, as documented: a zero_grad after it drops
+    nothing of it.)"""
+    data = _data(9)
+    bad = 2 * every - 1  # the second window's last micro-step
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = loopkit.step(model, opt, accumulate=every)
+    stop = loopkit.until(step, max_updates=100)
+    for i, (x, y) in enumerate(step.iterate(data)):
+        if where == "top" and i % every == 0:
+            opt.zero_grad()  # the hand loop's line, where its windows open
+        try:
+            with step as s:
+                s.backward(nn.functional.mse_loss(model(x), y))
+                if i == bad:
+                    raise _BadBatch
+        except _BadBatch:
+            if where == "handler":
+                opt.zero_grad()
+            if then == "continue":
+                continue
+        stop.check()
+    windows = [list(range(k, min(k + every, 9))) for k in range(0, 9, every)]
+    kept = [w for w in windows if bad not in w]
+    assert step.updates == len(kept)
+    for a, b in zip(model.parameters(), _reference_windows(data, kept), strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["one parameter", "mid-window"])
+def test_gradients_dropped_in_part_are_still_refused(how: str) -> None:
+    """Only a whole overdue window's gradients dropped is a skipped batch: one parameter's
+    gradient dropped, or the window's earlier micro-steps' dropped with a failure in its
+    middle, is still refused where the window ends (training on would silently lose them)."""
+    data = _data(6)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    bad = 1 if how == "one parameter" else 2
+    with pytest.raises(RuntimeError, match="were dropped by code outside"):
+        for i, (x, y) in enumerate(step.iterate(data)):
+            try:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                    if i == bad:
+                        raise _BadBatch
+            except _BadBatch:
+                if how == "one parameter":
+                    model.bias.grad = None
+                else:
+                    opt.zero_grad()
