@@ -34,6 +34,8 @@ class _Progress:
     """The epoch of the current pass (after a load, of the pass to run next)."""
     pass_generator_state: torch.Tensor | None = None
     """The loader's generator as the current pass began (it draws the workers' seeds)."""
+    loads: int = 0
+    """States loaded so far: a pass begun before a load no longer sets the place."""
 
 
 LoaderSnapshot = tuple[_Progress, torch.Tensor | None]
@@ -254,6 +256,7 @@ class EpochLoader:
         self._settle()
         self._recent = []  # a pass started before the load no longer counts
         p = self._progress
+        p.loads += 1
         position = int(state["position"])
         if position >= len(self.loader) and not state.get("epoch_open"):
             # The pass had finished: the next one is a new epoch, from its first batch.
@@ -272,10 +275,8 @@ class EpochLoader:
     def _snapshot(self) -> LoaderSnapshot:
         """Everything ``load_state_dict`` changes, for ``_restore`` to put back."""
         generator = self.loader.generator
-        return (
-            dataclasses.replace(self._progress),
-            self._generator_state() if generator is not None else None,
-        )
+        state = self._generator_state() if generator is not None else None
+        return dataclasses.replace(self._progress), state
 
     def _restore(self, snapshot: LoaderSnapshot) -> None:
         progress, generator_state = snapshot
@@ -303,18 +304,21 @@ def _stop_workers(loader: DataLoader[Any]) -> None:
         shutdown()
 
 
-def training_pass(loader: EpochLoader) -> Pass | None:
-    """The counted pass training runs on now (None before the first)."""
-    return loader._open
+def training_pass(loader: EpochLoader) -> tuple[Pass | None, int]:
+    """The counted pass training runs on now (None before the first), and the loads so far."""
+    return loader._open, loader._progress.loads
 
 
-def give_back(loader: EpochLoader, this: Pass | None) -> None:
-    """A loop left training pass ``this`` while iterate held a batch taken ahead of it
-    (``break``, an exception): that batch was never the loop's, so it leaves the count, and
-    a save after the loop holds the place after the batches the loop had."""
+def hand_back(loader: EpochLoader, opened: tuple[Pass | None, int], handed: int) -> None:
+    """A loop left the training pass ``opened`` (``training_pass``) after ``handed`` of its
+    batches were handed to it (``break``, an exception, with a batch taken ahead or while
+    taking one): what the loader counted beyond them was never the loop's and leaves the
+    count, so a save after the loop holds the place after the batches the loop had. Not once
+    another pass began or a state was loaded: the place is theirs."""
+    this, loads = opened
     p = loader._progress
-    if this is not None and this is loader._open and p.position > this.start:
-        p.position -= 1
+    if this is not None and this is loader._open and p.loads == loads:
+        p.position = min(p.position, this.start + handed)
 
 
 def training_iter(items: Iterable[T]) -> Iterator[T]:

@@ -163,7 +163,8 @@ class accumulate(EagerUnderCompile, contextlib.ContextDecorator):
 
     @property
     def skipped(self) -> int:
-        """Updates skipped for inf/nan (fp16's scaler, or ``skip_nonfinite``)."""
+        """Windows ended with no update: inf/nan (fp16's scaler, ``skip_nonfinite``), or
+        dropped by the loop after their last micro-step raised."""
         return self._progress.skipped
 
     @property

@@ -286,7 +286,7 @@ class step(EagerUnderCompile, contextlib.ContextDecorator):
 
     @property
     def skipped(self) -> int:
-        """Updates skipped on inf/nan (fp16)."""
+        """Windows ended with no update: inf/nan, or dropped by the loop (see accumulate's)."""
         return self.accumulator.skipped
 
     @property

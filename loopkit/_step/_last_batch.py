@@ -43,7 +43,7 @@ from torch.utils.data import (
 )
 
 from .._data import _consumed
-from .._data._epoch_loader import EpochLoader, give_back, training_iter, training_pass
+from .._data._epoch_loader import EpochLoader, hand_back, training_iter, training_pass
 from .._stream._replay import replayed
 from ._window import close_left_open, unreducible
 
@@ -150,25 +150,27 @@ def marked(
     else:
         marks = _tracked(track, _marked(holder, source, it, n, move, track))
     if isinstance(source, EpochLoader):  # (its pass started: by training_iter, or iterate's)
-        return _given_back(holder, source, training_pass(source), marks)
+        return _handed(source, training_pass(source), marks)
     return marks
 
 
-def _given_back(
-    holder: Holder, loader: EpochLoader, this: Any, marks: Iterator[tuple[T, bool]]
+def _handed(
+    loader: EpochLoader, opened: Any, marks: Iterator[tuple[T, bool]]
 ) -> Iterator[tuple[T, bool]]:
-    """``marks`` over training pass ``this`` of ``loader``: a loop left while a batch is
-    taken ahead of it gives that batch back to the loader's count (``_consumed`` keeps the
-    state before it for a stateful loader)."""
-    held = done = False
+    """``marks`` over a training pass of ``loader``, counting the batches handed to the loop:
+    a loop left mid-pass gives back what the loader counted beyond them (a batch taken ahead,
+    or one taken as the error came: ``_consumed`` keeps the state before it for a stateful
+    loader)."""
+    back = hand_back  # (bound now: at interpreter exit a module's globals may go first)
+    handed, done = 0, False
     try:
         for pair in marks:
-            held = bool(holder.lookahead)  # (read here: iterate's own cleanup resets it first)
+            handed += 1
             yield pair
         done = True
     finally:
-        if held and not done:
-            give_back(loader, this)
+        if not done:
+            back(loader, opened, handed)
 
 
 def _tracked(track: _consumed.Tracker, marks: Iterator[tuple[T, bool]]) -> Iterator[tuple[T, bool]]:

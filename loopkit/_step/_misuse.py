@@ -308,8 +308,13 @@ class Guard:
                 if now is not None and self._edits_allowed and self._user_edit():
                     break
                 self._refuse_grads("dropped" if now is None else "changed")
+        if at_end:
+            self.refuse_scheduler_step()
+
+    def refuse_scheduler_step(self) -> None:
+        """Raise if user code stepped the scheduler since loopkit's last update."""
         sched = self.scheduler
-        if at_end and sched is not None and self._sched_at is not None:
+        if sched is not None and self._sched_at is not None:
             now_at = getattr(sched, "last_epoch", None)
             restored = getattr(sched, "base_lrs", None) is not self._sched_lrs
             if restored or (isinstance(now_at, int) and now_at < self._sched_at):

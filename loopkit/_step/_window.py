@@ -113,8 +113,11 @@ def going_on(acc: Any, window: Window) -> Window:
     """The window the micro-step entering after overdue ``window`` takes: ``window`` going on
     under its own rules, as a hand loop's does (it ends in this micro-step, counted, or at its
     next batch's mark, chunks), or a new one if the loop dropped its gradients."""
+    if _discard_dropped(acc, window):
+        new: Window = acc._window
+        return new
     window.overdue = False
-    return acc._window if _discard_dropped(acc, window) else window
+    return window
 
 
 def discard_overdue(acc: Any) -> bool:
@@ -128,10 +131,25 @@ def _discard_dropped(acc: Any, window: Window) -> bool:
     since (``optimizer.zero_grad()`` in its handler, or at the top of the next iteration: how
     a hand loop skips a bad batch), as if it never happened: no update, no refusal; whether
     it did. Gradients dropped in part are still refused where the window ends."""
-    if not window.n_backward or unreducible(acc) or acc._params.have_grads():
+    guard = acc._guard
+    if not window.n_backward or unreducible(acc) or not _dropped_all(guard._marks):
         return False
+    if acc._params.have_grads():
+        return False
+    guard.refuse_scheduler_step()  # (a scheduler.step() in the handler is still refused)
     if acc.amp is not None:
         acc.amp.discard(acc.optimizer)
+    # A window that ended without an update, as a non-finite one does: loop control sees its
+    # end (cadence points stay at their batches) and step.updated says no update.
+    progress = acc._progress
+    progress.skipped += 1
+    progress.last_updated = False
     acc._window = Window()
-    acc._guard.window_closed()
+    guard.window_closed()
     return True
+
+
+def _dropped_all(marks: tuple[tuple[torch.Tensor, Any, int], ...]) -> bool:
+    """Whether the gradients loopkit's last backward left (the guard's ``marks``) were all
+    dropped since, set to None by code outside: a skipped batch's, not ones never there."""
+    return any(g is not None for _, g, _ in marks) and all(p.grad is None for p, _, _ in marks)

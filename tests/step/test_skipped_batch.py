@@ -464,3 +464,72 @@ def test_gradients_dropped_in_part_are_still_refused(how: str) -> None:
                     model.bias.grad = None
                 else:
                     opt.zero_grad()
+
+
+def test_a_dropped_window_ends_where_loop_control_sees_it() -> None:
+    """The dropped window ends with no update, as a non-finite one does: ``step.skipped``
+    counts it, ``step.updated`` is False after loop control, and ``cadence(per_epoch=)``
+    still fires at its points (the one on the dropped window's last batch too)."""
+    data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*_data(8), strict=True)))
+    loader = distributed.loader(data, batch_size=4, shuffle=False, num_workers=0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = loopkit.step(model, opt, accumulate=2)
+    points = loopkit.cadence(step, per_epoch=2, loader=loader)
+    fired, updated = [], []
+    for epoch in range(2):
+        for i, (x, y) in enumerate(step.iterate(loader)):
+            try:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                    if (epoch, i) == (0, 3):
+                        raise _BadBatch
+            except _BadBatch:
+                opt.zero_grad()
+            if points.due():
+                fired.append((epoch, i))
+            updated.append(step.updated)
+    assert fired == [(0, 3), (0, 7), (1, 3), (1, 7)]
+    assert step.updates == 7 and step.skipped == 1
+    assert updated[3] is False and updated[1] is True
+
+
+def test_a_window_whose_parameters_got_no_gradient_is_no_dropped_window() -> None:
+    """A window whose loss reached none of the optimizer's parameters has no gradient to
+    drop: its failed last micro-step closes it as before (an update, the scheduler steps)."""
+    model = nn.ModuleDict({"a": nn.Linear(3, 1).double(), "b": nn.Linear(3, 1).double()})
+    opt = torch.optim.SGD(model["a"].parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    step = loopkit.step(model, opt, scheduler=sched)
+    stop = loopkit.until(step, max_updates=100)
+    for i, (x, y) in enumerate(_data(4)):
+        try:
+            with step as s:
+                net = model["b"] if i == 1 else model["a"]
+                s.backward(nn.functional.mse_loss(net(x), y))
+                if i == 1:
+                    raise _BadBatch
+        except _BadBatch:
+            pass
+        stop.check()
+    assert step.updates == 4 and sched.last_epoch == 4 and step.skipped == 0
+
+
+def test_a_scheduler_stepped_in_the_handler_that_drops_the_window_is_refused() -> None:
+    """Dropping the window does not let a ``scheduler.step()`` in the same handler through."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    step = loopkit.step(model, opt, scheduler=sched)
+    stop = loopkit.until(step, max_updates=100)
+    with pytest.raises(RuntimeError, match=r"also stepped by your code"):
+        for i, (x, y) in enumerate(_data(4)):
+            try:
+                with step as s:
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                    if i == 1:
+                        raise _BadBatch
+            except _BadBatch:
+                opt.zero_grad()
+                sched.step()
+            stop.check()
