@@ -69,6 +69,21 @@ def _micro_step(step: loopkit.step, model: nn.Module, x: torch.Tensor, y: torch.
     return True
 
 
+def _checked_micro_step(
+    step: loopkit.step, net: nn.Module, x: torch.Tensor, y: torch.Tensor, bad: bool
+) -> bool:
+    """One micro-step whose check after the backward rejects its batch if ``bad`` (the loop
+    catches it); whether it was rejected."""
+    try:
+        with step as s:
+            s.backward(nn.functional.mse_loss(net(x), y))
+            if bad:
+                raise _BadBatch
+    except _BadBatch:
+        return True
+    return False
+
+
 def _windows_before(i: int, n: int, every: int, bad: set[int]) -> int:
     """Updates made by windows that end before position ``i`` (those with a good batch)."""
     ends = [e for e in range(n) if (e + 1) % every == 0 or e == n - 1]
@@ -424,12 +439,7 @@ def test_a_window_whose_gradients_the_loop_drops_is_skipped_as_by_hand(
     for i, (x, y) in enumerate(step.iterate(data)):
         if where == "top" and i % every == 0:
             opt.zero_grad()  # the hand loop's line, where its windows open
-        try:
-            with step as s:
-                s.backward(nn.functional.mse_loss(model(x), y))
-                if i == bad:
-                    raise _BadBatch
-        except _BadBatch:
+        if _checked_micro_step(step, model, x, y, bad=i == bad):
             if where == "handler":
                 opt.zero_grad()
             if then == "continue":
@@ -454,12 +464,7 @@ def test_gradients_dropped_in_part_are_still_refused(how: str) -> None:
     bad = 1 if how == "one parameter" else 2
     with pytest.raises(RuntimeError, match="were dropped by code outside"):
         for i, (x, y) in enumerate(step.iterate(data)):
-            try:
-                with step as s:
-                    s.backward(nn.functional.mse_loss(model(x), y))
-                    if i == bad:
-                        raise _BadBatch
-            except _BadBatch:
+            if _checked_micro_step(step, model, x, y, bad=i == bad):
                 if how == "one parameter":
                     model.bias.grad = None
                 else:
@@ -479,12 +484,7 @@ def test_a_dropped_window_ends_where_loop_control_sees_it() -> None:
     fired, updated = [], []
     for epoch in range(2):
         for i, (x, y) in enumerate(step.iterate(loader)):
-            try:
-                with step as s:
-                    s.backward(nn.functional.mse_loss(model(x), y))
-                    if (epoch, i) == (0, 3):
-                        raise _BadBatch
-            except _BadBatch:
+            if _checked_micro_step(step, model, x, y, bad=(epoch, i) == (0, 3)):
                 opt.zero_grad()
             if points.due():
                 fired.append((epoch, i))
@@ -503,14 +503,7 @@ def test_a_window_whose_parameters_got_no_gradient_is_no_dropped_window() -> Non
     step = loopkit.step(model, opt, scheduler=sched)
     stop = loopkit.until(step, max_updates=100)
     for i, (x, y) in enumerate(_data(4)):
-        try:
-            with step as s:
-                net = model["b"] if i == 1 else model["a"]
-                s.backward(nn.functional.mse_loss(net(x), y))
-                if i == 1:
-                    raise _BadBatch
-        except _BadBatch:
-            pass
+        _checked_micro_step(step, model["b"] if i == 1 else model["a"], x, y, bad=i == 1)
         stop.check()
     assert step.updates == 4 and sched.last_epoch == 4 and step.skipped == 0
 
@@ -524,12 +517,7 @@ def test_a_scheduler_stepped_in_the_handler_that_drops_the_window_is_refused() -
     stop = loopkit.until(step, max_updates=100)
     with pytest.raises(RuntimeError, match=r"also stepped by your code"):
         for i, (x, y) in enumerate(_data(4)):
-            try:
-                with step as s:
-                    s.backward(nn.functional.mse_loss(model(x), y))
-                    if i == 1:
-                        raise _BadBatch
-            except _BadBatch:
+            if _checked_micro_step(step, model, x, y, bad=i == 1):
                 opt.zero_grad()
                 sched.step()
             stop.check()
