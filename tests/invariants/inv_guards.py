@@ -74,6 +74,7 @@ class Phase:
     swapped: bool  # evaluations under ema.swapped()
     raise_at: int | None  # the micro-step whose body raises (a bad batch), caught by the loop
     raise_after: bool  # ... after its backward (else before its forward)
+    drop_raised: bool  # ... and, on a window's last micro-step, the handler drops its gradients
     leave_at: int | None  # epochs: leave the first pass after this micro-step (break)
     zero_grad_top: bool  # optimizer.zero_grad() at the top of the micro-steps that open windows
     nan_at: int | None  # the micro-step whose loss is NaN (its update skipped: skip_nonfinite)
@@ -156,6 +157,7 @@ def legalize(loop: Loop) -> Loop:
                 swapped=ph.swapped and loop.ema,
                 evaluate=_evaluation(ph, loop, shape, single),
                 raise_at=ph.raise_at if single else None,
+                drop_raised=ph.drop_raised and single and ph.raise_after,
                 leave_at=ph.leave_at if shape == "epochs" else None,
                 zero_grad_top=ph.zero_grad_top and single,
                 # A skipped window is one update fewer: another pass (or until) makes one.
@@ -209,6 +211,7 @@ def phases(draw: st.DrawFn) -> Phase:
         swapped=draw(st.booleans()),
         raise_at=draw(st.one_of(st.none(), st.integers(0, 4))),
         raise_after=draw(st.booleans()),
+        drop_raised=draw(st.booleans()),
         leave_at=draw(st.one_of(st.none(), st.integers(0, 3))),
         zero_grad_top=draw(st.booleans()),
         nan_at=draw(st.one_of(st.none(), st.integers(0, 4))),
@@ -516,7 +519,7 @@ class Run:
     def _micro_step(self, step: loopkit.step, ph: Phase, batch: Any) -> None:
         k = self.micro
         self.micro += 1
-        self.last_raised = False
+        self.last_raised = ending = False
         if ph.zero_grad_top and step.micro_step == 0:
             self.opt.zero_grad()  # the old loop's line, where a window opens: harmless
         try:
@@ -531,9 +534,12 @@ class Run:
                     loss = loss * float("nan")  # a diverged batch: the window is skipped
                 s.backward(loss)
                 if bad:
+                    ending = s.ends_window
                     raise _BadBatch(f"micro-step {k}: a check after the backward fails")
         except _BadBatch:
             self.last_raised = not ph.raise_after  # (after it, the backward is in the window)
+            if ph.drop_raised and ending:
+                self.opt.zero_grad()  # as a hand loop skips the bad batch: its window is gone
 
     def _after(self, step: loopkit.step, ph: Phase, index: int, due: Any, batch: Any) -> None:
         """What the loop does after each micro-step: the misuse (twin only), checkpoints, a

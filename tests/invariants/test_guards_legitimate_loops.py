@@ -101,8 +101,8 @@ def _phase(shape: str, **settings: Any) -> Phase:
     plain: dict[str, Any] = dict(
         accumulate=1, micro_batch=None, precision="fp32", clip=None, new_step=True,
         step_back=False, length=1, evaluate=None, swapped=False, raise_at=None,
-        raise_after=False, leave_at=None, zero_grad_top=False, nan_at=None, hand_after=False,
-        ckpt_ops=(), restore_to=None, flush=True,
+        raise_after=False, drop_raised=False, leave_at=None, zero_grad_top=False, nan_at=None,
+        hand_after=False, ckpt_ops=(), restore_to=None, flush=True,
     )  # fmt: skip
     return Phase(shape=shape, **{**plain, **settings})
 
@@ -152,11 +152,12 @@ SKIPPED = _loop(
     _phase("epochs", accumulate=2, length=2, evaluate="per_epoch", raise_at=1, raise_after=True,
            ckpt_ops=("maybe_save",)),
     _phase("until_epochs", accumulate=3, length=2, evaluate="per_epoch", raise_at=5,
-           raise_after=True, new_step=False),
+           raise_after=True, drop_raised=True, new_step=False),
     samples=18, ckpt="step_extra",
 )  # fmt: skip
 """Bad batches skipped at a window's last micro-step, after its backward, in passes over the
-loader with a per-epoch cadence and saves (0.3.0 refused it mid-pass: the windows moved)."""
+loader with a per-epoch cadence and saves (0.3.0 refused it mid-pass: the windows moved), the
+second one's gradients dropped by the handler (0.3.0 refused that as gradients dropped)."""
 
 
 @prop(ci=12)
