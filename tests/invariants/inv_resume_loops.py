@@ -55,6 +55,15 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Leave:
+    """The loop's own limit: ``break`` out of the pass and the epoch loop after update
+    ``at``'s window (not a pass's last: its epoch's code would be skipped), then
+    ``ckpt.save()`` after the loop; the next launch goes on from there."""
+
+    at: int
+
+
+@dataclass(frozen=True)
 class Plan:
     epochs: int
     samples: int
@@ -71,7 +80,7 @@ class Plan:
     every: int
     async_save: bool
     epoch_save: bool  # ckpt.save() at the end of each epoch's code
-    launches: tuple[Kill | Stop, ...]  # the interruption of each launch before the last
+    launches: tuple[Kill | Stop | Leave, ...]  # the interruption of each launch but the last
 
     def updates_per_epoch(self) -> int:
         batches = self.samples // self.batch if self.drop_last else -(-self.samples // self.batch)
@@ -101,10 +110,12 @@ def plans(draw: st.DrawFn) -> Plan:
     anywhere = st.integers(1, per_epoch * epochs)
     update = st.one_of(st.sampled_from(last_windows), anywhere)
     epoch = st.integers(0, epochs - 1)
+    inner = [u for u in range(1, per_epoch * epochs + 1) if u not in last_windows]
     interruption = st.one_of(
         st.builds(Kill, st.just("window"), update),
         st.builds(Kill, st.sampled_from(("code", "after", "saved")), epoch),
         st.builds(Stop, update),
+        *([st.builds(Leave, st.sampled_from(inner))] if inner else []),
     )
     return Plan(**{**plan.__dict__, "launches": tuple(draw(st.lists(interruption, max_size=3)))})
 
@@ -167,6 +178,7 @@ class World:
                                   signals=("SIGUSR1",), check_every=1,
                                   checkpointer=self.ckpt)  # fmt: skip
         self.last = 0  # the update whose window the loop saw close last
+        self.left = False  # the launch was left by the loop's own limit (Leave)
 
     def epoch_loop(self) -> Iterable[int]:
         plan, loop = self.plan, self.plan.loop
@@ -194,9 +206,10 @@ class World:
         }
 
 
-def launch(world: World, interruption: Kill | Stop | None) -> None:
+def launch(world: World, interruption: Kill | Stop | Leave | None) -> None:
     """One launch: resume, then the loop the way the docs write it, interrupted as drawn."""
     plan, ckpt, stop = world.plan, world.ckpt, world.stop
+    left = False
 
     def kill_point(kind: str, at: int) -> None:
         if interruption == Kill(kind, at):
@@ -224,9 +237,10 @@ def launch(world: World, interruption: Kill | Stop | None) -> None:
                 stopped = stop.check()
                 if boundary:
                     kill_point("window", updates)
-                if stopped:
+                    left = interruption == Leave(updates)
+                if stopped or left:
                     break
-            if stop.reason is not None and plan.break_on_stop:
+            if left or (stop.reason is not None and plan.break_on_stop):
                 break
             world.sched.step()  # the epoch's own code after its pass
             kill_point("code", epoch)
@@ -235,8 +249,11 @@ def launch(world: World, interruption: Kill | Stop | None) -> None:
             if plan.epoch_save and stop.reason is None:  # (a stopped epoch may be partial)
                 ckpt.save()
                 kill_point("saved", epoch)
-        if plan.loop == "range":
+        if plan.loop == "range" and not left:
             ckpt.save_if_needed()  # the end state (epochs() writes it itself)
+    if left:
+        ckpt.save()  # where the loop's own limit left it, mid-pass
+    world.left = left
     ckpt.wait()
 
 
@@ -252,6 +269,9 @@ def play(plan: Plan, directory: Path) -> tuple[World, list[str]]:
             said.append(f"killed at {interruption}")
             if finished_on_disk(plan, directory):  # killed after its final save: done
                 return world, said
+            continue
+        if world.left:  # (a Leave at an update the resumed run was past ran to the end)
+            said.append(f"left at {interruption}")
             continue
         complete = world.acc.updates == plan.updates_per_epoch() * plan.epochs
         if not world.stop.preempted or (complete and len(world.log.runs) == plan.epochs):

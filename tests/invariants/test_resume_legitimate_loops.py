@@ -28,7 +28,17 @@ from typing import Any
 import torch
 from hypothesis import example, given
 from inv_budget import prop, where
-from inv_resume_loops import Kill, Plan, Stop, World, launch, newest_holds_code_left, plans, play
+from inv_resume_loops import (
+    Kill,
+    Leave,
+    Plan,
+    Stop,
+    World,
+    launch,
+    newest_holds_code_left,
+    plans,
+    play,
+)
 
 import loopkit
 
@@ -62,6 +72,12 @@ UNTIL_EPOCHS = _plan(loop="until_self", with_until=True, break_on_stop=False, ev
                      launches=(Stop(8), Kill("code", 2)))  # fmt: skip
 """stop.epochs() counting the epochs itself; a save on the last epoch's last window, killed in
 its code: the relaunch is no finished run's."""
+LEFT_MID_PASS = _plan(
+    samples=13, batch=2, accumulate=2, loop="range", saver="maybe_save", every=3,
+    launches=(Leave(2), Leave(5), Kill("window", 6)),
+)  # fmt: skip
+"""The loop's own limit: left mid-pass (iterate holding a batch taken ahead), saved after the
+loop, relaunched twice (0.3.0 saved the place after the batch taken ahead: never trained)."""
 
 
 @contextmanager
@@ -94,6 +110,7 @@ def _differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
 @example(plan=STOP_ON_LAST_WINDOW)
 @example(plan=GROUP_PARTIAL_WINDOW)
 @example(plan=UNTIL_EPOCHS)
+@example(plan=LEFT_MID_PASS)
 def test_legitimate_resumed_loops_are_never_warned_and_end_as_the_uninterrupted_run(
     plan: Plan,
 ) -> None:
