@@ -1,4 +1,5 @@
-"""One accumulation window's state: what its micro-steps have done so far.
+"""One accumulation window's state: what its micro-steps have done so far, and what
+becomes of a window its loop left open (a pass's end, an overdue window, FSDP's unreduced).
 
 A window that closes (or is dropped) is replaced by a new instance: a reset is one
 assignment, so no field can be forgotten.
@@ -127,10 +128,10 @@ def discard_overdue(acc: Any) -> bool:
 
 
 def _discard_dropped(acc: Any, window: Window) -> bool:
-    """Drop ``window`` (its last micro-step raised) if the loop dropped all its gradients
-    since (``optimizer.zero_grad()`` in its handler, or at the top of the next iteration: how
-    a hand loop skips a bad batch), as if it never happened: no update, no refusal; whether
-    it did. Gradients dropped in part are still refused where the window ends."""
+    """End ``window`` (its last micro-step raised) with no update if the loop dropped all its
+    gradients since (``optimizer.zero_grad()`` in its handler, or at the top of the next
+    iteration: how a hand loop skips a bad batch), counted as a skipped window; whether it
+    did. Gradients dropped in part are still refused where the window ends."""
     guard = acc._guard
     if not window.n_backward or unreducible(acc) or not _dropped_all(guard._marks):
         return False
