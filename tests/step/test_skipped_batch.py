@@ -41,18 +41,9 @@ def _reference(
 ) -> list[torch.Tensor]:
     """By hand: windows of ``every`` positions (the last ragged), each the mean of its good
     batches' gradients, no update for a window with none."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for start in range(0, len(data), every):
-        good = [i for i in range(start, min(start + every, len(data))) if i not in bad]
-        if not good:
-            continue
-        opt.zero_grad()
-        for i in good:
-            x, y = data[i]
-            (nn.functional.mse_loss(model(x), y) / len(good)).backward()
-        opt.step()
-    return [p.detach() for p in model.parameters()]
+    spans = [range(start, min(start + every, len(data))) for start in range(0, len(data), every)]
+    goods = [[i for i in span if i not in bad] for span in spans]
+    return _reference_windows(data, [good for good in goods if good])
 
 
 def _micro_step(step: loopkit.step, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
